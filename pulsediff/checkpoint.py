@@ -1,0 +1,229 @@
+"""Checkpoints on disk: one `.safetensors` file, or a folder of shards.
+
+A `Checkpoint` memory-maps its files and hands out one tensor's bits at a
+time, so that nothing ever holds a whole checkpoint in memory. A folder is
+read through its Hugging Face `model.safetensors.index.json` when it has one,
+else every `*.safetensors` file in it is a shard.
+
+`TensorView` is how the rest of pulsediff sees a checkpoint under a precision
+mode: in exact mode every tensor as stored; in bf16 mode floating tensors cast
+to BF16 with round-to-nearest-even (by torch, so it is exactly
+`tensor.to(torch.bfloat16)`).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .dtypes import BF16, DType
+from .errors import CheckpointNotFoundError, InvalidCheckpointError
+from .safetensors_io import HeaderError, ParsedHeader, TensorEntry, parse_header, read_header_length
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+
+PRECISIONS = ("exact", "bf16")
+
+
+def is_plain_filename(name: str) -> bool:
+    """A name that stays inside its folder: no separators, no '..', no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
+
+
+@dataclass
+class ShardFile:
+    name: str  # file name inside the checkpoint folder ("" for a single-file checkpoint)
+    path: Path
+    header: ParsedHeader
+    _map: mmap.mmap | None
+
+    def tensor_bytes(self, entry: TensorEntry) -> np.ndarray:
+        """Zero-copy uint8 view of one tensor's bytes."""
+        if entry.nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(self._map, dtype=np.uint8, count=entry.nbytes, offset=self.header.data_start + entry.begin)
+
+
+class Checkpoint:
+    """A safetensors checkpoint opened read-only."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.shards: list[ShardFile] = []
+        self.index_bytes: bytes | None = None
+        self._where: dict[str, tuple[ShardFile, TensorEntry]] = {}
+        if not self.path.exists():
+            raise CheckpointNotFoundError(str(self.path))
+        try:
+            if self.path.is_dir():
+                self.kind = "dir"
+                self._open_dir()
+            else:
+                self.kind = "file"
+                self._add_shard("", self.path)
+        except OSError as exc:
+            self.close()
+            raise InvalidCheckpointError(str(self.path), exc.strerror or str(exc)) from None
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ------------------------------------------------------------
+
+    def _open_dir(self) -> None:
+        index_path = self.path / INDEX_NAME
+        if index_path.is_file():
+            if index_path.stat().st_size > MAX_INDEX_BYTES:
+                raise InvalidCheckpointError(str(index_path), "index file is implausibly large")
+            self.index_bytes = index_path.read_bytes()
+            try:
+                index = json.loads(self.index_bytes)
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                raise InvalidCheckpointError(str(index_path), "not a valid index (no weight_map object)") from None
+            names = sorted(set(weight_map.values()))
+            if not all(is_plain_filename(n) for n in names):
+                raise InvalidCheckpointError(str(index_path), "weight_map names a file outside the folder")
+            for n in names:
+                if not (self.path / n).is_file():
+                    raise InvalidCheckpointError(str(index_path), f"shard {n} is missing")
+                self._add_shard(n, self.path / n)
+            listed = {k: v for k, v in weight_map.items()}
+            actual = {name: shard.name for name, (shard, _) in self._where.items()}
+            if listed != actual:
+                raise InvalidCheckpointError(str(index_path), "weight_map does not match the shards' contents")
+        else:
+            names = sorted(p.name for p in self.path.iterdir() if p.suffix == ".safetensors" and p.is_file())
+            if not names:
+                raise InvalidCheckpointError(str(self.path), f"folder has no {INDEX_NAME} and no .safetensors files")
+            for n in names:
+                self._add_shard(n, self.path / n)
+
+    def _add_shard(self, name: str, path: Path) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            try:
+                n = read_header_length(f.read(8))
+                if 8 + n > size:
+                    raise HeaderError(f"header length {n} runs past the end of the file")
+                raw = f.read(n)
+                header = parse_header(raw, size - 8 - n)
+            except HeaderError as exc:
+                raise InvalidCheckpointError(str(path), str(exc)) from None
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
+        shard = ShardFile(name, path, header, mapped)
+        self.shards.append(shard)
+        for entry in header.tensors:
+            if entry.name in self._where:
+                raise InvalidCheckpointError(str(path), f"tensor {entry.name!r} appears in two shards")
+            self._where[entry.name] = (shard, entry)
+
+    # -- access -------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def entry(self, name: str) -> TensorEntry:
+        return self._where[name][1]
+
+    def raw_bytes(self, name: str) -> np.ndarray:
+        shard, entry = self._where[name]
+        return shard.tensor_bytes(entry)
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        return self.shards[0].header.metadata if self.kind == "file" else None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(8 + len(s.header.raw) + s.header.data_bytes for s in self.shards)
+
+    def close(self) -> None:
+        for s in self.shards:
+            if s._map is not None:
+                try:
+                    s._map.close()
+                except BufferError:
+                    pass  # a view is still alive; the map closes when it is collected
+                s._map = None
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """One tensor as a precision mode sees it: its type, shape and bit patterns."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    bits: np.ndarray  # 1-D, unsigned ints of dtype.itemsize bytes, C-contiguous and aligned
+
+
+class TensorView:
+    """A checkpoint seen under a precision mode ("exact" or "bf16")."""
+
+    def __init__(self, ckpt: Checkpoint, precision: str):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}")
+        self.ckpt = ckpt
+        self.precision = precision
+
+    def casts(self, dtype: DType) -> bool:
+        return self.precision == "bf16" and dtype.is_float and dtype is not BF16
+
+    def dtype_of(self, name: str) -> DType:
+        dtype = self.ckpt.entry(name).dtype
+        return BF16 if self.casts(dtype) else dtype
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.ckpt.entry(name).shape
+
+    def get(self, name: str) -> TensorData:
+        entry = self.ckpt.entry(name)
+        raw = self.ckpt.raw_bytes(name)
+        if self.casts(entry.dtype):
+            return TensorData(name, BF16, entry.shape, cast_to_bf16_bits(raw, entry.dtype))
+        bits = raw.view(entry.dtype.bits_dtype) if raw.size else np.empty(0, entry.dtype.bits_dtype)
+        if not bits.flags.aligned:
+            bits = bits.copy()  # numba kernels need aligned arrays; safetensors does not promise alignment
+        return TensorData(name, entry.dtype, entry.shape, bits)
+
+
+def cast_to_bf16_bits(raw: np.ndarray, dtype: DType) -> np.ndarray:
+    """BF16 bit patterns of `raw` (elements of `dtype`), exactly as torch rounds them."""
+    import torch  # deferred: importing torch costs seconds and most paths never cast
+
+    if dtype.torch_name is None or not hasattr(torch, dtype.torch_name):
+        raise InvalidCheckpointError("", f"this torch cannot cast {dtype.name} to BF16")
+    if raw.size == 0:
+        return np.empty(0, np.uint16)
+    import warnings
+
+    with warnings.catch_warnings():
+        # frombuffer warns that a read-only mmap is not writable; the tensor is only read.
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(raw, dtype=getattr(torch, dtype.torch_name))
+    return src.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)

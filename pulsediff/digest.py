@@ -1,0 +1,64 @@
+"""Tensor hashes and checkpoint digests.
+
+A checkpoint's digest identifies its tensors (names, dtypes, shapes and bytes)
+and nothing of its file layout, so that the same weights saved by any tool, in
+one file or in shards, have the same digest. Under `--precision bf16` the
+tensors are those seen through the BF16 cast.
+
+    tensor hash  = XXH3-128 of the tensor's bytes (little-endian elements)
+    digest       = XXH3-128 over, for each tensor in byte order of its UTF-8 name:
+                   u32 len(name) | name | u32 len(dtype) | dtype | u32 ndim |
+                   u64 dims... | 16-byte tensor hash
+                   shown as "xxh128:" + 32 lowercase hex digits
+
+XXH3 is not cryptographic: digests catch mistakes and damage (wrong base,
+flipped bits), not an attacker who controls both patch and checkpoint.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import xxhash
+
+DIGEST_PREFIX = "xxh128:"
+
+
+def tensor_hash(bits: np.ndarray) -> str:
+    """Hex XXH3-128 of a tensor's bytes."""
+    if bits.size == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(bits).view(np.uint8))
+
+
+@dataclass(frozen=True)
+class TensorId:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    hash: str  # hex tensor hash
+
+
+def checkpoint_digest(tensors: Iterable[TensorId]) -> str:
+    h = xxhash.xxh3_128()
+    for t in sorted(tensors, key=lambda t: t.name.encode("utf-8")):
+        name = t.name.encode("utf-8")
+        dtype = t.dtype.encode("ascii")
+        h.update(struct.pack("<I", len(name)) + name + struct.pack("<I", len(dtype)) + dtype)
+        h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
+        h.update(bytes.fromhex(t.hash))
+    return DIGEST_PREFIX + h.hexdigest()
+
+
+def is_digest(value: object) -> bool:
+    if not isinstance(value, str) or not value.startswith(DIGEST_PREFIX):
+        return False
+    hexpart = value[len(DIGEST_PREFIX):]
+    return len(hexpart) == 32 and all(c in "0123456789abcdef" for c in hexpart)
+
+
+def is_tensor_hash(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)

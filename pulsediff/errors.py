@@ -1,0 +1,115 @@
+"""Every error pulsediff raises on purpose.
+
+One base class, `PulsediffError`, so that the CLI can turn any of them into a
+single line and a non-zero exit. Subclasses also inherit the matching built-in
+(`ValueError`, `FileNotFoundError`, ...) so that library callers can catch
+what they already know.
+"""
+
+from __future__ import annotations
+
+
+class PulsediffError(Exception):
+    """Base class. `str(err)` is the one line the CLI prints."""
+
+
+# --- checkpoints -----------------------------------------------------------
+
+
+class CheckpointNotFoundError(PulsediffError, FileNotFoundError):
+    def __init__(self, path: str, what: str = "checkpoint"):
+        self.path = path
+        super().__init__(f"{what} not found: {path}")
+
+
+class InvalidCheckpointError(PulsediffError, ValueError):
+    """A file or folder that is not a valid safetensors checkpoint."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"not a valid safetensors checkpoint: {path}: {reason}")
+
+
+class UnsupportedDtypeError(PulsediffError, ValueError):
+    def __init__(self, name: str, dtype: str):
+        self.name = name
+        self.dtype = dtype
+        super().__init__(f"tensor {name!r} has dtype {dtype}, which pulsediff does not support")
+
+
+# --- patches ---------------------------------------------------------------
+
+
+class InvalidPatchError(PulsediffError, ValueError):
+    """The patch stream is not a pulsediff patch, or is damaged."""
+
+
+class NotAPatchError(InvalidPatchError):
+    def __init__(self, source: str):
+        super().__init__(f"{source} is not a pulsediff patch (bad magic bytes)")
+
+
+class UnsupportedVersionError(InvalidPatchError):
+    def __init__(self, major: int, minor: int, supported: int):
+        self.major, self.minor = major, minor
+        super().__init__(
+            f"patch format version {major}.{minor} is not supported "
+            f"(this pulsediff reads major version {supported}); upgrade pulsediff"
+        )
+
+
+class TruncatedPatchError(InvalidPatchError):
+    def __init__(self, source: str, what: str):
+        super().__init__(f"patch {source} is truncated ({what})")
+
+
+class CorruptPatchError(InvalidPatchError):
+    def __init__(self, source: str, what: str):
+        super().__init__(f"patch {source} is corrupt: {what}")
+
+
+class UnknownCodecError(InvalidPatchError):
+    def __init__(self, codec_id: str):
+        self.codec_id = codec_id
+        super().__init__(f"unknown codec {codec_id!r}; the patch needs a newer pulsediff")
+
+
+# --- applying --------------------------------------------------------------
+
+
+class BaseMismatchError(PulsediffError, ValueError):
+    """The checkpoint given as base is not the one the patch was made from."""
+
+    def __init__(self, expected: str, actual: str, detail: str = ""):
+        self.expected, self.actual = expected, actual
+        msg = f"base checkpoint does not match the patch (patch expects base {expected}, got {actual})"
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+class TensorMismatchError(PulsediffError, ValueError):
+    """A base tensor has another shape or dtype than the patch expects."""
+
+
+class ChainError(PulsediffError, ValueError):
+    """Patches given as a chain do not link up."""
+
+
+class TargetMismatchError(PulsediffError, ValueError):
+    """The rebuilt checkpoint does not hash to the patch's target digest."""
+
+    def __init__(self, expected: str, actual: str):
+        super().__init__(f"rebuilt checkpoint has digest {actual}, expected {expected}; nothing was written")
+
+
+class OutputError(PulsediffError, OSError):
+    """Writing the output failed (disk full, permissions, ...). No partial output is left."""
+
+
+class DeviceUnavailableError(PulsediffError, RuntimeError):
+    def __init__(self, reason: str):
+        super().__init__(f"--device cuda was asked for, but no CUDA GPU is usable: {reason}")
+
+
+class UsageError(PulsediffError, ValueError):
+    """Arguments that do not fit together."""

@@ -1,0 +1,149 @@
+"""The patch file format, version 1 (normative text: docs/FORMAT.md).
+
+    preamble   32 bytes  magic, version, flags, header length, header checksum
+    header     zstd frame holding UTF-8 JSON: digests, mode, layout, one entry per tensor
+    sections   back to back, in header order; each has its own offset, length and checksum
+
+Everything read from a patch is bounded and checked here before use: the
+reader never allocates more than the header's validated sizes allow, and
+every section's checksum is verified before its bytes are decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+import xxhash
+import zstandard
+
+from .errors import (
+    CorruptPatchError,
+    NotAPatchError,
+    TruncatedPatchError,
+    UnsupportedVersionError,
+)
+
+MAGIC = b"PULSEDIF"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, major, minor, flags, header length, header xxh3-64
+PREAMBLE_SIZE = PREAMBLE.size  # 32
+MAX_HEADER_BYTES = 256 * 1024 * 1024  # compressed and decompressed alike
+MAX_TENSORS = 1_000_000
+MAX_NAME_BYTES = 4096
+MAX_NDIM = 64
+MAX_SECTION_BYTES = 2**48  # 256 TiB: a sanity bound, far above any checkpoint
+
+
+def section_checksum(data) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def encode_header(header: dict) -> bytes:
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
+
+
+def encode_preamble(header_frame: bytes) -> bytes:
+    return PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header_frame), xxhash.xxh3_64_intdigest(header_frame))
+
+
+@dataclass(frozen=True)
+class SectionRef:
+    """Where a section lies (offset from the end of the header) and how to check it."""
+
+    offset: int
+    length: int
+    checksum: str
+    codec: str
+    params: dict
+
+    def to_json(self) -> dict:
+        return {"offset": self.offset, "length": self.length, "xxh3": self.checksum, "codec": self.codec, "params": self.params}
+
+
+class PatchReader:
+    """Reads a patch from a byte stream: header first, then sections in order.
+
+    Works on pipes (stdin) as well as files; on a seekable file `read_section`
+    also gives random access to one tensor without decoding the rest.
+    """
+
+    def __init__(self, stream: BinaryIO, source: str):
+        self.stream = stream
+        self.source = source
+        self._pos = 0
+        pre = self._read_exact(PREAMBLE_SIZE, "preamble")
+        magic, major, minor, flags, header_len, header_sum = PREAMBLE.unpack(pre)
+        if magic != MAGIC:
+            raise NotAPatchError(source)
+        if major != FORMAT_MAJOR:
+            raise UnsupportedVersionError(major, minor, FORMAT_MAJOR)
+        if flags != 0:
+            raise CorruptPatchError(source, f"reserved flags are set ({flags:#x})")
+        if header_len > MAX_HEADER_BYTES:
+            raise CorruptPatchError(source, f"header length {header_len} exceeds the limit")
+        frame = self._read_exact(header_len, "header")
+        if xxhash.xxh3_64_intdigest(frame) != header_sum:
+            raise CorruptPatchError(source, "header checksum mismatch")
+        self.version = (major, minor)
+        self.header_bytes = PREAMBLE_SIZE + header_len
+        self.header = _decode_header_frame(frame, source)
+        self.sections_start = self._pos
+
+    def _read_exact(self, n: int, what: str) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = self.stream.read(min(left, 1 << 24))
+            if not chunk:
+                raise TruncatedPatchError(self.source, f"ends inside the {what}")
+            chunks.append(chunk)
+            left -= len(chunk)
+        self._pos += n
+        return b"".join(chunks)
+
+    def read_next(self, ref: SectionRef, what: str) -> bytes:
+        """The next section in stream order, checksum verified."""
+        expected_pos = self.sections_start + ref.offset
+        if self._pos != expected_pos:
+            raise CorruptPatchError(self.source, f"{what}: section is not where the header puts it")
+        data = self._read_exact(ref.length, what)
+        if section_checksum(data) != ref.checksum:
+            raise CorruptPatchError(self.source, f"{what}: section checksum mismatch")
+        return data
+
+    def read_section(self, ref: SectionRef, what: str) -> bytes:
+        """Random access (seekable files only)."""
+        self.stream.seek(self.sections_start + ref.offset)
+        self._pos = self.sections_start + ref.offset
+        return self.read_next(ref, what)
+
+    def expect_end(self, sections_length: int) -> None:
+        """The stream must end right after the last section: trailing bytes mean damage."""
+        if self._pos != self.sections_start + sections_length:
+            raise CorruptPatchError(self.source, "sections do not end where the header says")
+        if self.stream.read(1):
+            raise CorruptPatchError(self.source, "unexpected bytes after the last section")
+
+
+def _decode_header_frame(frame: bytes, source: str) -> dict:
+    try:
+        size = zstandard.frame_content_size(frame)
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise CorruptPatchError(source, "header declares an invalid size")
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+        header = json.loads(raw.decode("utf-8"))
+    except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError):
+        raise CorruptPatchError(source, "header does not decode") from None
+    if not isinstance(header, dict):
+        raise CorruptPatchError(source, "header is not a JSON object")
+    return header
+
+
+def iter_chunks(data: bytes, size: int = 1 << 24) -> Iterator[memoryview]:
+    view = memoryview(data)
+    for i in range(0, len(view), size):
+        yield view[i : i + size]

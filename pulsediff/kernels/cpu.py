@@ -1,0 +1,150 @@
+"""CPU kernels: Numba `@njit(parallel=True)`, one chunk of the tensor per thread.
+
+Both kernels work on bit patterns (unsigned integers of the element's width),
+never on floating-point values. `tests/reference.py` holds the plain NumPy
+oracle they are checked against.
+
+Stream compaction (mask -> positions + values) is the classic two-pass scheme:
+pass 1 counts changed elements per chunk, an exclusive prefix sum turns the
+counts into each chunk's output offset, pass 2 writes. Chunks are contiguous so
+the output comes out in ascending position order, with no sort.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+# Chunks per thread: more than one evens out the load when some chunks are
+# denser than others; each is still long enough to amortise the loop setup.
+_CHUNKS_PER_THREAD = 8
+_MIN_CHUNK = 1 << 16
+
+
+def _num_chunks(n: int) -> int:
+    return max(1, min(numba.get_num_threads() * _CHUNKS_PER_THREAD, n // _MIN_CHUNK))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _count_changed(old, new, nchunks):
+    n = old.size
+    step = (n + nchunks - 1) // nchunks
+    counts = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        k = 0
+        for i in range(lo, hi):
+            k += old[i] != new[i]
+        counts[c] = k
+    return counts
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _write_changed(old, new, offsets, positions, values):
+    n = old.size
+    nchunks = offsets.size
+    step = (n + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        j = offsets[c]
+        for i in range(lo, hi):
+            if old[i] != new[i]:
+                positions[j] = i
+                values[j] = new[i]
+                j += 1
+
+
+def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (int64, ascending) where `new` differs from `old`, and `new`'s bits there."""
+    n = old.size
+    if n == 0:
+        return np.empty(0, np.int64), np.empty(0, new.dtype)
+    nchunks = _num_chunks(n)
+    counts = _count_changed(old, new, nchunks)
+    offsets = np.zeros(nchunks, np.int64)
+    np.cumsum(counts[:-1], out=offsets[1:])
+    total = int(counts.sum())
+    positions = np.empty(total, np.int64)
+    values = np.empty(total, new.dtype)
+    if total:
+        _write_changed(old, new, offsets, positions, values)
+    return positions, values
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _scatter(out, positions, values):
+    # Returns how many positions fall outside `out`; those are skipped, never written,
+    # because a hostile patch must not be able to write past the buffer.
+    n = out.size
+    bad = 0
+    for k in prange(positions.size):
+        p = positions[k]
+        if p >= 0 and p < n:
+            out[p] = values[k]
+        else:
+            bad += 1
+    return bad
+
+
+def scatter(out: np.ndarray, positions: np.ndarray, values: np.ndarray) -> int:
+    """out[positions] = values in place; returns the number of out-of-range positions (0 when valid)."""
+    if positions.size == 0:
+        return 0
+    return int(_scatter(out, positions, values))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _chunk_sums(gaps, nchunks):
+    n = gaps.size
+    step = (n + nchunks - 1) // nchunks
+    sums = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        s = 0
+        for i in range(lo, hi):
+            s += np.int64(gaps[i])
+        sums[c] = s
+    return sums
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _gaps_to_positions(gaps, starts, positions):
+    # Every gap is at least 1 (positions strictly increase, the first counts from -1).
+    # Count the gaps that break that so the caller can reject the patch.
+    n = gaps.size
+    nchunks = starts.size
+    step = (n + nchunks - 1) // nchunks
+    bad = 0
+    for c in prange(nchunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        p = starts[c]
+        for i in range(lo, hi):
+            g = np.int64(gaps[i])
+            if g <= 0:
+                bad += 1
+            p += g
+            positions[i] = p
+    return bad
+
+
+def gaps_to_positions(gaps: np.ndarray) -> tuple[np.ndarray, int]:
+    """position[i] = sum(gaps[:i+1]) - 1, by a parallel scan.
+
+    Per-chunk sums, an exclusive scan of those, then a running sum in each
+    chunk. Returns (positions, number of gaps that are not >= 1).
+    """
+    n = gaps.size
+    if n == 0:
+        return np.empty(0, np.int64), 0
+    nchunks = _num_chunks(n)
+    sums = _chunk_sums(gaps, nchunks)
+    starts = np.full(nchunks, -1, np.int64)
+    starts[1:] += np.cumsum(sums[:-1])
+    positions = np.empty(n, np.int64)
+    bad = _gaps_to_positions(gaps, starts, positions)
+    return positions, int(bad)

@@ -1,0 +1,190 @@
+"""`make_patch`: diff two checkpoints into a patch.
+
+One pass over the target checkpoint in its file order, tensor by tensor: each
+target tensor is read once (memory-mapped), its base counterpart once, the
+kernel finds the changed elements, a codec encodes them into a section. The
+sections are spooled (memory, then a temporary file past 256 MiB) because the
+header, which leads the patch, holds digests known only at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+from . import __version__
+from .atomic import StagedFiles
+from .checkpoint import Checkpoint, TensorView
+from .codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
+from .codecs.base import zstd_compress
+from .codecs.gap_zstd import gap_width
+from .digest import TensorId, checkpoint_digest, tensor_hash
+from .errors import UsageError
+from .format import SectionRef, encode_header, encode_preamble, section_checksum
+from .kernels import get_backend
+from .patch import LAYOUT_CODEC, Layout, LayoutFile, PatchHeader, TensorRecord
+from .progress import SILENT, Progress
+from .safetensors_io import build_header
+
+SPOOL_IN_MEMORY = 256 * 1024 * 1024
+
+
+def make_patch(
+    old: str | Path,
+    new: str | Path,
+    out: str | Path | BinaryIO,
+    *,
+    precision: str = "exact",
+    codec: str = DEFAULT_SPARSE_CODEC,
+    device: str | None = None,
+    progress: Progress = SILENT,
+) -> PatchHeader:
+    """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
+
+    `out` is a path (written atomically), "-" for stdout, or a binary stream.
+    Returns the patch header.
+    """
+    if codec not in SPARSE_CODECS:
+        raise UsageError(f"unknown codec {codec!r}; choose one of {', '.join(SPARSE_CODECS)}")
+    if precision not in ("exact", "bf16"):
+        raise UsageError(f"unknown precision {precision!r}; choose exact or bf16")
+    backend = get_backend(device)
+    with Checkpoint(old) as old_ckpt, Checkpoint(new) as new_ckpt, \
+            tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
+        header = _diff(TensorView(old_ckpt, precision), TensorView(new_ckpt, precision), codec, backend, spool, progress)
+        spool.seek(0)
+        header_frame = encode_header(header.to_json())
+        if isinstance(out, (str, Path)) and str(out) == "-":
+            _emit(sys.stdout.buffer, header_frame, spool)
+            sys.stdout.buffer.flush()
+        elif isinstance(out, (str, Path)):
+            with StagedFiles() as staged:
+                with staged.open(Path(out)) as f:
+                    _emit(f, header_frame, spool)
+                staged.commit()
+        else:
+            _emit(out, header_frame, spool)
+    return header
+
+
+def _emit(f: BinaryIO, header_frame: bytes, spool) -> None:
+    f.write(encode_preamble(header_frame))
+    f.write(header_frame)
+    shutil.copyfileobj(spool, f, 1 << 22)
+
+
+def _diff(old: TensorView, new: TensorView, codec_id: str, backend, spool, progress: Progress) -> PatchHeader:
+    sparse = get_codec(codec_id)
+    full = get_codec("full-zstd")
+    new_ckpt = new.ckpt
+    offset = 0
+
+    def write_section(parts, codec, params) -> SectionRef:
+        nonlocal offset
+        data = b"".join(parts)
+        spool.write(data)
+        ref = SectionRef(offset, len(data), section_checksum(data), codec, params)
+        offset += len(data)
+        return ref
+
+    layout_blob, layout_files, index_len = _target_layout(new)
+    layout_ref = write_section((zstd_compress(layout_blob),), LAYOUT_CODEC, {})
+
+    total = sum(e.nbytes for e in (new_ckpt.entry(n) for n in new_ckpt.names))
+    total += sum(e.nbytes for e in (old.ckpt.entry(n) for n in old.ckpt.names))
+    progress.begin("make", total, len(new_ckpt.names) + len(old.ckpt.names))
+
+    records: list[TensorRecord] = []
+    base_ids: list[TensorId] = []
+    for shard in new_ckpt.shards:
+        for entry in shard.header.tensors:
+            tgt = new.get(entry.name)
+            tgt_hash = tensor_hash(tgt.bits)
+            base = None
+            if entry.name in old.ckpt:
+                base = old.get(entry.name)
+                base_hash = tensor_hash(base.bits)
+                base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
+                progress.advance(old.ckpt.entry(entry.name).nbytes)
+                if base.dtype is not tgt.dtype or base.shape != tgt.shape:
+                    base = None
+            if base is None:
+                enc = full.encode(None, tgt.bits, None, None)
+                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt_hash,
+                                      section=write_section(enc.parts, full.id, enc.params))
+            elif base_hash == tgt_hash:
+                # XXH3-128 equality stands for bit equality, as it does for the digests.
+                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", tgt_hash, base_hash)
+            else:
+                positions, values = backend.diff_compact(base.bits, tgt.bits)
+                sparse_cost = positions.size * (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+                codec, op = (sparse, "patch") if sparse_cost < tgt.bits.nbytes else (full, "full")
+                enc = codec.encode(base.bits, tgt.bits, positions, values)
+                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, tgt_hash,
+                                      base_hash if op == "patch" else None,
+                                      write_section(enc.parts, codec.id, enc.params))
+            records.append(record)
+            progress.advance(entry.nbytes)
+
+    removed = [n for n in old.ckpt.names if n not in new_ckpt]
+    for name in removed:
+        base = old.get(name)
+        base_ids.append(TensorId(name, base.dtype.name, base.shape, tensor_hash(base.bits)))
+        progress.advance(old.ckpt.entry(name).nbytes)
+    progress.end()
+
+    target_ids = [TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in records]
+    target_bytes = sum(8 + f.header_len for f in layout_files) + sum(r.nbytes for r in records) + (index_len or 0)
+    return PatchHeader(
+        tool=f"pulsediff {__version__}",
+        precision=new.precision,
+        base_digest=checkpoint_digest(base_ids),
+        target_digest=checkpoint_digest(target_ids),
+        base_tensors=len(base_ids),
+        target_bytes=target_bytes,
+        layout=Layout(new_ckpt.kind, tuple(layout_files), index_len, layout_ref),
+        tensors=tuple(records),
+        removed=tuple(sorted(removed)),
+    )
+
+
+def _target_layout(new: TensorView) -> tuple[bytes, list[LayoutFile], int | None]:
+    """The target's file headers (and index), as the bytes apply will write.
+
+    Exact mode keeps NEW's header bytes verbatim, so the rebuilt files are
+    byte-identical. In bf16 mode a shard with cast tensors gets a canonical
+    header describing the BF16 tensors; one without keeps its bytes.
+    """
+    blobs: list[bytes] = []
+    files: list[LayoutFile] = []
+    for shard in new.ckpt.shards:
+        entries = shard.header.tensors
+        if any(new.casts(e.dtype) for e in entries):
+            raw = build_header(shard.header.metadata, [
+                (e.name, new.dtype_of(e.name).name, e.shape, e.numel * new.dtype_of(e.name).itemsize) for e in entries
+            ])
+        else:
+            raw = shard.header.raw
+        blobs.append(raw)
+        files.append(LayoutFile(shard.name, len(raw), len(entries)))
+    index = new.ckpt.index_bytes
+    if index is not None and new.precision == "bf16" and any(new.casts(new.ckpt.entry(n).dtype) for n in new.ckpt.names):
+        index = _bf16_index(index, new)
+    if index is not None:
+        blobs.append(index)
+    return b"".join(blobs), files, (len(index) if index is not None else None)
+
+
+def _bf16_index(index_bytes: bytes, new: TensorView) -> bytes:
+    """The index with `metadata.total_size` updated to the BF16 tensors' size."""
+    index = json.loads(index_bytes)
+    metadata = index.get("metadata")
+    if isinstance(metadata, dict) and "total_size" in metadata:
+        metadata["total_size"] = sum(
+            new.ckpt.entry(n).numel * new.dtype_of(n).itemsize for n in new.ckpt.names
+        )
+    return (json.dumps(index, indent=2, ensure_ascii=False) + "\n").encode("utf-8")

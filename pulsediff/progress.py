@@ -1,0 +1,23 @@
+"""How the library reports progress without knowing who listens.
+
+The core calls `begin`/`advance`/`end` on whatever object it is given; the
+CLI passes a rich progress bar, the API default does nothing.
+"""
+
+from __future__ import annotations
+
+
+class Progress:
+    """No-op progress sink; subclass to display."""
+
+    def begin(self, description: str, total_bytes: int, total_tensors: int) -> None:
+        pass
+
+    def advance(self, nbytes: int, tensors: int = 1) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+SILENT = Progress()
