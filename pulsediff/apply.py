@@ -33,6 +33,7 @@ from .errors import (
     UsageError,
 )
 from .format import PatchReader
+from .inspect import tensor_ids
 from .kernels import get_backend
 from .patch import PatchHeader, TensorRecord
 from .progress import SILENT, Progress
@@ -93,7 +94,7 @@ def apply_patch(
     try:
         with Checkpoint(base) as base_ckpt:
             view = TensorView(base_ckpt, header.precision)
-            base_ids = _hash_checkpoint(view, progress)
+            base_ids = tensor_ids(view, progress)
             digest = checkpoint_digest(base_ids.values())
             if digest == header.target_digest:
                 if in_place or out_path.resolve() == base.resolve() or _already_target(out_path, header):
@@ -121,25 +122,13 @@ def apply_patch(
 # -- base checks --------------------------------------------------------------
 
 
-def _hash_checkpoint(view: TensorView, progress: Progress) -> dict[str, TensorId]:
-    ckpt = view.ckpt
-    progress.begin("verify base", sum(ckpt.entry(n).nbytes for n in ckpt.names), len(ckpt.names))
-    ids = {}
-    for name in ckpt.names:
-        t = view.get(name)
-        ids[name] = TensorId(name, t.dtype.name, t.shape, tensor_hash(t.bits))
-        progress.advance(ckpt.entry(name).nbytes)
-    progress.end()
-    return ids
-
-
 def _already_target(out_path: Path, header: PatchHeader) -> bool:
     """True when OUT already holds the target (applying twice is harmless)."""
     if not out_path.exists():
         return False
     try:
         with Checkpoint(out_path) as existing:
-            ids = _hash_checkpoint(TensorView(existing, header.precision), SILENT)
+            ids = tensor_ids(TensorView(existing, header.precision))
             return checkpoint_digest(ids.values()) == header.target_digest
     except PulsediffError:
         return False

@@ -114,17 +114,17 @@ def _diff(old: TensorView, new: TensorView, codec_id: str, backend, spool, progr
                     base = None
             if base is None:
                 enc = full.encode(None, tgt.bits, None, None)
-                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt_hash,
+                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
                                       section=write_section(enc.parts, full.id, enc.params))
             elif base_hash == tgt_hash:
                 # XXH3-128 equality stands for bit equality, as it does for the digests.
-                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", tgt_hash, base_hash)
+                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash)
             else:
                 positions, values = backend.diff_compact(base.bits, tgt.bits)
                 sparse_cost = positions.size * (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
                 codec, op = (sparse, "patch") if sparse_cost < tgt.bits.nbytes else (full, "full")
                 enc = codec.encode(base.bits, tgt.bits, positions, values)
-                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, tgt_hash,
+                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, positions.size, tgt_hash,
                                       base_hash if op == "patch" else None,
                                       write_section(enc.parts, codec.id, enc.params))
             records.append(record)

@@ -28,6 +28,7 @@ class TensorRecord:
     dtype: DType
     shape: tuple[int, ...]
     op: str
+    changed: int  # elements that differ from the base (all of them for a tensor with no base)
     target_hash: str
     base_hash: str | None = None  # for "same" and "patch"
     section: SectionRef | None = None  # for "patch" and "full"
@@ -42,7 +43,7 @@ class TensorRecord:
 
     def to_json(self) -> dict:
         out = {"name": self.name, "dtype": self.dtype.name, "shape": list(self.shape), "op": self.op,
-               "target_hash": self.target_hash}
+               "changed": self.changed, "target_hash": self.target_hash}
         if self.base_hash is not None:
             out["base_hash"] = self.base_hash
         if self.section is not None:
@@ -201,6 +202,9 @@ class _Parser:
         op = self.get(obj, "op", str, where)
         if op not in OPS:
             raise self.fail(f"{where}.op {op!r} is unknown")
+        changed = self.uint(obj, "changed", where, math.prod(shape))
+        if (op == "same" and changed != 0) or (op == "patch" and changed == 0):
+            raise self.fail(f"{where}.changed contradicts its op")
         target_hash = self.get(obj, "target_hash", str, where)
         base_hash = obj.get("base_hash")
         if not is_tensor_hash(target_hash) or (op != "full" and not is_tensor_hash(base_hash)):
@@ -210,7 +214,7 @@ class _Parser:
             codec = get_codec(section.codec)
             if op == "patch" and not codec.needs_base:
                 raise self.fail(f"{where}: codec {section.codec!r} cannot patch")
-        return TensorRecord(name, dtype, tuple(shape), op, target_hash, base_hash if op != "full" else None, section)
+        return TensorRecord(name, dtype, tuple(shape), op, changed, target_hash, base_hash if op != "full" else None, section)
 
     def layout(self, obj, n_tensors: int) -> Layout:
         kind = self.get(obj, "kind", str, "layout")

@@ -1,0 +1,3 @@
+from pulsediff.cli.main import main
+
+main()

@@ -1,0 +1,53 @@
+"""`pulsediff demo`: the whole job on a checkpoint pair it makes itself."""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .options import Device, Quiet
+from .output import Output, human_bytes
+
+
+def demo(
+    directory: Annotated[Path, typer.Option("--dir", help="Where to write the example checkpoints and patch.")] = Path("pulsediff-demo"),
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate of the RL-like AdamW step.")] = 1e-6,
+    device: Device = "auto",
+    quiet: Quiet = False,
+) -> None:
+    """Train a small transformer one AdamW step at lr 1e-6, then make, apply, verify and show stats."""
+    from ..apply import apply_patch
+    from ..example import make_example_pair
+    from ..inspect import checkpoint_digest_of
+    from ..make import make_patch
+    from ..stats import stats_of_patch_file
+
+    out = Output(quiet=quiet)
+    directory.mkdir(parents=True, exist_ok=True)
+    out.info(f"[1/4] training a small transformer (FP32 master weights, AdamW, lr {lr:g}) into {directory}/ ...")
+    old, new = make_example_pair(directory, lr=lr)
+    patch = directory / "step.pulsediff"
+    rebuilt = directory / "rebuilt.safetensors"
+    out.info(f"[2/4] pulsediff make {old} {new} -o {patch}")
+    make_patch(old, new, patch, device=device, progress=out.progress())
+    out.info(f"[3/4] pulsediff apply {old} {patch} -o {rebuilt}")
+    apply_patch(old, patch, rebuilt, device=device, progress=out.progress())
+    identical = filecmp.cmp(rebuilt, new, shallow=False)
+    same_digest = checkpoint_digest_of(rebuilt) == checkpoint_digest_of(new)
+    if not (identical and same_digest):
+        from ..errors import PulsediffError
+
+        raise PulsediffError(f"demo failed: {rebuilt} differs from {new}")
+    out.info(f"[4/4] {rebuilt} is byte-identical to {new} (cmp and digest agree)")
+    s = stats_of_patch_file(patch)
+    out.table("demo result", ["", ""], [
+        ("checkpoint", f"{human_bytes(new.stat().st_size)} ({s.elements:,} elements)"),
+        ("changed elements", f"{s.changed:,} ({100 * s.density:.3f}%), {100 * (1 - s.density):.2f}% unchanged"),
+        ("patch", human_bytes(s.patch_bytes)),
+        ("ratio", f"{s.ratio:.1f}x smaller than the checkpoint"),
+        ("bits per changed element", f"{s.bits_per_changed:.2f}" if s.bits_per_changed else "-"),
+        ("bit-identical", "yes"),
+    ])

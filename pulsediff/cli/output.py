@@ -1,0 +1,98 @@
+"""The one place the CLI writes to the terminal.
+
+Results go to stdout (a rich table for people, JSON with --json); messages,
+progress and errors go to stderr, so that `-o -` can stream a patch on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Sequence
+
+from ..progress import SILENT, Progress
+
+
+class Output:
+    def __init__(self, *, quiet: bool = False, as_json: bool = False):
+        self.quiet = quiet
+        self.as_json = as_json
+        self._err = None
+        self._out = None
+
+    @property
+    def err(self):
+        if self._err is None:
+            from rich.console import Console
+
+            self._err = Console(stderr=True, highlight=False)
+        return self._err
+
+    @property
+    def out(self):
+        if self._out is None:
+            from rich.console import Console
+
+            # Piped output is read by people too (CI logs): do not squeeze it into 80 columns.
+            self._out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+        return self._out
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.err.print(message)
+
+    def json(self, data: Any) -> None:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+    def table(self, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> None:
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+        for i, col in enumerate(columns):
+            table.add_column(col, justify="right" if i in right else "left", no_wrap=(i == 0))
+        for row in rows:
+            table.add_row(*(str(c) for c in row))
+        self.out.print(table)
+
+    def progress(self) -> Progress:
+        """A rich progress bar on stderr when it is a terminal, else nothing."""
+        if self.quiet or not sys.stderr.isatty():
+            return SILENT
+        return _RichProgress(self.err)
+
+
+class _RichProgress(Progress):
+    def __init__(self, console):
+        self.console = console
+        self._bar = None
+
+    def begin(self, description, total_bytes, total_tensors):
+        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+        from rich.progress import Progress as Bar
+
+        self.end()
+        self._bar = Bar(TextColumn("{task.description:<12}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TextColumn("{task.fields[tensors]}/{task.fields[total_tensors]} tensors"), TimeRemainingColumn(),
+                        console=self.console, transient=True)
+        self._bar.start()
+        self._task = self._bar.add_task(description, total=total_bytes, tensors=0, total_tensors=total_tensors)
+        self._tensors = 0
+
+    def advance(self, nbytes, tensors=1):
+        if self._bar is not None:
+            self._tensors += tensors
+            self._bar.update(self._task, advance=nbytes, tensors=self._tensors)
+
+    def end(self):
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"

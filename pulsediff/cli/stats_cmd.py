@@ -1,0 +1,62 @@
+"""`pulsediff stats PATCH` and `pulsediff stats OLD NEW`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .options import Device, Json, Precision
+from .output import Output, human_bytes
+
+
+def stats(
+    first: Annotated[Path, typer.Argument(metavar="PATCH | OLD", help="A patch, or the base checkpoint of a pair.")],
+    second: Annotated[Optional[Path], typer.Argument(metavar="[NEW]", help="The target checkpoint, when FIRST is a base.")] = None,
+    precision: Precision = "exact",
+    codec: Annotated[str, typer.Option("--codec", help="Codec to measure, for a checkpoint pair.")] = "gap-zstd",
+    top: Annotated[int, typer.Option("--top", help="Tensors to list, largest patch share first (0: all).")] = 20,
+    device: Device = "auto",
+    as_json: Json = False,
+) -> None:
+    """Sparsity and size statistics of a patch, or of the patch a checkpoint pair would make."""
+    from ..stats import stats_of_pair, stats_of_patch_file
+
+    if second is None:
+        s = stats_of_patch_file(first)
+    else:
+        s = stats_of_pair(first, second, precision=precision, codec=codec, device=device)
+    out = Output(as_json=as_json)
+    if as_json:
+        out.json(s.to_json())
+        return
+    bits = f"{s.bits_per_changed:.2f}" if s.bits_per_changed is not None else "-"
+    pct = lambda part: f"{100 * part / s.patch_bytes:.1f}%" if s.patch_bytes else "-"  # noqa: E731
+    out.table("summary", ["", ""], [
+        ("precision", s.precision),
+        ("codecs", ", ".join(s.codec) or "-"),
+        ("tensors", f"{s.tensors:,} ({s.changed_tensors:,} changed, {s.whole_tensors:,} carried whole, {s.removed_tensors:,} removed)"),
+        ("elements changed", f"{s.changed:,} of {s.elements:,}"),
+        ("density", f"{100 * s.density:.4f}%"),
+        ("patch", f"{human_bytes(s.patch_bytes)} ({s.patch_bytes:,} bytes)"),
+        ("  header", f"{human_bytes(s.header_bytes)} ({pct(s.header_bytes)})"),
+        ("  indices", f"{human_bytes(s.index_bytes)} ({pct(s.index_bytes)})"),
+        ("  values", f"{human_bytes(s.value_bytes)} ({pct(s.value_bytes)})"),
+        ("bits per changed element", bits),
+        ("dense target", human_bytes(s.target_bytes)),
+        ("ratio (target / patch)", f"{s.ratio:.1f}x" if s.ratio else "-"),
+        ("base digest", s.base_digest),
+        ("target digest", s.target_digest),
+    ])
+    rows = sorted(s.per_tensor, key=lambda t: (-t.bytes, t.name))
+    if top > 0:
+        rows = rows[:top]
+    out.table(
+        f"tensors ({len(rows)} of {len(s.per_tensor)}, by patch bytes)",
+        ["tensor", "dtype", "shape", "op", "changed", "density", "indices", "values", "bits/changed"],
+        [(t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", t.op, f"{t.changed:,}", f"{100 * t.density:.3f}%",
+          human_bytes(t.index_bytes), human_bytes(t.value_bytes),
+          f"{8 * t.bytes / t.changed:.2f}" if t.changed else "-") for t in rows],
+        right=(4, 5, 6, 7, 8),
+    )

@@ -1,0 +1,31 @@
+"""Read-only questions about checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import PRECISIONS, Checkpoint, TensorView
+from .digest import TensorId, checkpoint_digest, tensor_hash
+from .errors import UsageError
+from .progress import SILENT, Progress
+
+
+def tensor_ids(view: TensorView, progress: Progress = SILENT) -> dict[str, TensorId]:
+    """Name, dtype, shape and hash of every tensor as the view sees it."""
+    ckpt = view.ckpt
+    progress.begin("hash", sum(ckpt.entry(n).nbytes for n in ckpt.names), len(ckpt.names))
+    ids = {}
+    for name in ckpt.names:
+        t = view.get(name)
+        ids[name] = TensorId(name, t.dtype.name, t.shape, tensor_hash(t.bits))
+        progress.advance(ckpt.entry(name).nbytes)
+    progress.end()
+    return ids
+
+
+def checkpoint_digest_of(path: str | Path, precision: str = "exact") -> str:
+    """The digest a patch records for this checkpoint as base or target."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {precision!r}; choose exact or bf16")
+    with Checkpoint(path) as ckpt:
+        return checkpoint_digest(tensor_ids(TensorView(ckpt, precision)).values())
