@@ -136,17 +136,18 @@ def _already_target(out_path: Path, header: PatchHeader) -> bool:
 
 def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: str) -> PulsediffError:
     """The most specific explanation of why the base is not the patch's base."""
-    for rec in header.tensors:
-        if rec.base_hash is None:
-            continue
+    expected = [r for r in header.tensors if r.base_hash is not None]
+    for rec in expected:  # a wrong shape or dtype says most about what went wrong
         have = base_ids.get(rec.name)
-        if have is None:
-            return BaseMismatchError(header.base_digest, digest, f"tensor {rec.name!r} is missing from the base")
-        if have.dtype != rec.dtype.name or have.shape != rec.shape:
+        if have is not None and (have.dtype != rec.dtype.name or have.shape != rec.shape):
             return TensorMismatchError(
                 f"base tensor {rec.name!r} is {have.dtype}{list(have.shape)}, "
                 f"the patch expects {rec.dtype.name}{list(rec.shape)}: this patch was made from another base"
             )
+    for rec in expected:
+        have = base_ids.get(rec.name)
+        if have is None:
+            return BaseMismatchError(header.base_digest, digest, f"tensor {rec.name!r} is missing from the base")
         if have.hash != rec.base_hash:
             return BaseMismatchError(header.base_digest, digest, f"tensor {rec.name!r} differs from the patch's base")
     return BaseMismatchError(header.base_digest, digest, "the base's set of tensors differs")

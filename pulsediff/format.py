@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import xxhash
 import zstandard
@@ -29,7 +29,9 @@ from .errors import (
 MAGIC = b"PULSEDIF"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
-PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, major, minor, flags, header length, header xxh3-64
+PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, major, minor, flags, header length, checksum
+# The checksum is XXH3-64 of the first 24 preamble bytes followed by the header
+# frame, so that no byte before the sections goes unchecked.
 PREAMBLE_SIZE = PREAMBLE.size  # 32
 MAX_HEADER_BYTES = 256 * 1024 * 1024  # compressed and decompressed alike
 MAX_TENSORS = 1_000_000
@@ -47,8 +49,15 @@ def encode_header(header: dict) -> bytes:
     return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
 
 
+def _header_checksum(preamble_fields: bytes, header_frame: bytes) -> int:
+    h = xxhash.xxh3_64(preamble_fields)
+    h.update(header_frame)
+    return h.intdigest()
+
+
 def encode_preamble(header_frame: bytes) -> bytes:
-    return PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header_frame), xxhash.xxh3_64_intdigest(header_frame))
+    fields = PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header_frame), 0)[:24]
+    return fields + struct.pack("<Q", _header_checksum(fields, header_frame))
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ class PatchReader:
         if header_len > MAX_HEADER_BYTES:
             raise CorruptPatchError(source, f"header length {header_len} exceeds the limit")
         frame = self._read_exact(header_len, "header")
-        if xxhash.xxh3_64_intdigest(frame) != header_sum:
+        if _header_checksum(pre[:24], frame) != header_sum:
             raise CorruptPatchError(source, "header checksum mismatch")
         self.version = (major, minor)
         self.header_bytes = PREAMBLE_SIZE + header_len
@@ -142,8 +151,3 @@ def _decode_header_frame(frame: bytes, source: str) -> dict:
         raise CorruptPatchError(source, "header is not a JSON object")
     return header
 
-
-def iter_chunks(data: bytes, size: int = 1 << 24) -> Iterator[memoryview]:
-    view = memoryview(data)
-    for i in range(0, len(view), size):
-        yield view[i : i + size]

@@ -1,0 +1,167 @@
+"""A damaged or hostile patch is refused with a PulsediffError, and nothing is written."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+import zstandard
+
+from pulsediff import apply_patch, make_patch
+from pulsediff.errors import (
+    BaseMismatchError,
+    CorruptPatchError,
+    InvalidPatchError,
+    NotAPatchError,
+    PulsediffError,
+    TensorMismatchError,
+    TruncatedPatchError,
+    UnsupportedVersionError,
+)
+from pulsediff.format import FORMAT_MAJOR, MAGIC, PREAMBLE, encode_header, encode_preamble
+
+from ckpt_factory import mutate, random_tensor, save
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pair")
+    rng = np.random.default_rng(7)
+    base = {"w": random_tensor(rng, "BF16", (64, 8)), "b": random_tensor(rng, "F32", (16,)), "ids": random_tensor(rng, "I32", (4,))}
+    target = {"w": mutate(rng, base["w"], 0.03), "b": mutate(rng, base["b"], 0.5), "ids": base["ids"], "new": random_tensor(rng, "U8", (3,))}
+    old = save(base, tmp / "old.safetensors")
+    new = save(target, tmp / "new.safetensors")
+    patch = tmp / "p.pulsediff"
+    make_patch(old, new, patch, device="cpu")
+    return old, new, patch.read_bytes()
+
+
+def apply_bytes(old, data: bytes, out):
+    return apply_patch(old, io.BytesIO(data), out, device="cpu")
+
+
+def test_every_single_byte_flip_is_detected(small_pair, tmp_path):
+    old, _, patch = small_pair
+    base_before = old.read_bytes()
+    out = tmp_path / "out.safetensors"
+    assert len(patch) < 4000  # keep the exhaustive loop quick
+    for i in range(len(patch)):
+        for flip in (0x01, 0x80):
+            damaged = bytearray(patch)
+            damaged[i] ^= flip
+            with pytest.raises(PulsediffError):
+                apply_bytes(old, bytes(damaged), out)
+            assert not out.exists(), f"flip at byte {i} left an output"
+    assert old.read_bytes() == base_before
+    assert list(tmp_path.iterdir()) == []  # no temporary files left behind either
+
+
+def test_every_truncation_is_detected(small_pair, tmp_path):
+    old, _, patch = small_pair
+    out = tmp_path / "out.safetensors"
+    for n in range(len(patch)):
+        with pytest.raises((TruncatedPatchError, CorruptPatchError, NotAPatchError)):
+            apply_bytes(old, patch[:n], out)
+        assert not out.exists()
+
+
+def test_trailing_bytes_are_detected(small_pair, tmp_path):
+    old, _, patch = small_pair
+    with pytest.raises(CorruptPatchError, match="after the last section"):
+        apply_bytes(old, patch + b"\0", tmp_path / "out")
+
+
+def test_unknown_major_version_is_refused(small_pair, tmp_path):
+    old, _, patch = small_pair
+    data = bytearray(patch)
+    struct.pack_into("<H", data, 8, FORMAT_MAJOR + 1)
+    with pytest.raises(UnsupportedVersionError, match="version 2.0 is not supported"):
+        apply_bytes(old, bytes(data), tmp_path / "out")
+
+
+def test_patch_from_another_base_is_refused_before_writing(small_pair, tmp_path):
+    old, new, patch = small_pair
+    rng = np.random.default_rng(99)
+    other = save({"w": random_tensor(rng, "BF16", (64, 8)), "b": random_tensor(rng, "F32", (16,)),
+                  "ids": random_tensor(rng, "I32", (4,))}, tmp_path / "other.safetensors")
+    with pytest.raises(BaseMismatchError, match="differs from the patch's base"):
+        apply_bytes(other, patch, tmp_path / "out")
+    reshaped = save({"w": random_tensor(rng, "BF16", (8, 64)), "b": random_tensor(rng, "F32", (16,)),
+                     "ids": random_tensor(rng, "I32", (4,))}, tmp_path / "reshaped.safetensors")
+    with pytest.raises(TensorMismatchError, match="expects BF16"):
+        apply_bytes(reshaped, patch, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def forge(header: dict, sections: bytes = b"") -> bytes:
+    """A patch with a valid preamble and checksum around a hand-written header."""
+    frame = encode_header(header)
+    return encode_preamble(frame) + frame + sections
+
+
+def test_hostile_headers_are_refused(small_pair, tmp_path):
+    old, _, patch = small_pair
+    pre = PREAMBLE.unpack(patch[:32])
+    frame = patch[32 : 32 + pre[4]]
+    header = json.loads(zstandard.ZstdDecompressor().decompress(frame))
+    out = tmp_path / "out"
+
+    def refuse(mutator, match=None):
+        h = json.loads(json.dumps(header))
+        mutator(h)
+        with pytest.raises(InvalidPatchError, match=match):
+            apply_bytes(old, forge(h, patch[32 + pre[4]:]), out)
+        assert not out.exists()
+
+    refuse(lambda h: h.update(precision="fp7"), "precision")
+    refuse(lambda h: h["tensors"][0].update(shape=[2**62, 2**62]), "shape")
+    refuse(lambda h: h["tensors"][0].update(dtype="Q9"), "dtype")
+    refuse(lambda h: h["tensors"][0].update(op="rm"), "op")
+    refuse(lambda h: h["layout"]["files"][0].update(name="../evil.safetensors"), "not allowed")
+    refuse(lambda h: h["layout"].update(kind="dir"), "not allowed")
+    refuse(lambda h: h["tensors"].append(dict(h["tensors"][0])), "twice")
+    refuse(lambda h: h.update(tensors="nope"), "wrong type")
+    patched = next(i for i, t in enumerate(header["tensors"]) if t["op"] == "patch")
+
+    def set_param(key, value):
+        return lambda h: h["tensors"][patched]["section"]["params"].update({key: value})
+
+    refuse(set_param("count", 10**12), "count")
+    refuse(set_param("gap_width", 3), "gap_width")
+    refuse(set_param("gap_bytes", 10**9), "gap_bytes")
+    refuse(lambda h: h["tensors"][patched]["section"].update(codec="lzma-9000"), "unknown codec")
+    refuse(lambda h: h["tensors"][patched]["section"].update(offset=0), "contiguous")
+
+
+def test_hostile_section_with_valid_checksum(small_pair, tmp_path):
+    """A section that passes its checksum but decodes to out-of-range positions must not be scattered."""
+    old, _, patch = small_pair
+    pre = PREAMBLE.unpack(patch[:32])
+    header = json.loads(zstandard.ZstdDecompressor().decompress(patch[32 : 32 + pre[4]]))
+    sections = bytearray(patch[32 + pre[4]:])
+    i = next(i for i, t in enumerate(header["tensors"]) if t["op"] == "patch")
+    sec = header["tensors"][i]["section"]
+    count = sec["params"]["count"]
+    gaps = np.full(count, 1000, np.uint32)  # runs far past the tensor's 512 elements
+    gap_frame = zstandard.ZstdCompressor().compress(gaps.tobytes())
+    value_frame = bytes(sections[sec["offset"] + sec["params"]["gap_bytes"] : sec["offset"] + sec["length"]])
+    payload = gap_frame + value_frame
+    new_sections = bytes(sections[: sec["offset"]]) + payload + bytes(sections[sec["offset"] + sec["length"]:])
+    delta = len(payload) - sec["length"]
+    sec.update(length=len(payload), xxh3=xxhash.xxh3_64_hexdigest(payload))
+    sec["params"]["gap_bytes"] = len(gap_frame)
+    for t in header["tensors"][i + 1:]:
+        if "section" in t:
+            t["section"]["offset"] += delta
+    with pytest.raises(CorruptPatchError, match="out of order or out of range"):
+        apply_bytes(old, forge(header, new_sections), tmp_path / "out")
+
+
+def test_magic_and_version_are_pinned():
+    assert MAGIC == b"PULSEDIF"
+    assert FORMAT_MAJOR == 1
+    assert PREAMBLE.size == 32
