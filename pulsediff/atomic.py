@@ -44,6 +44,7 @@ class StagedFiles:
             raise output_error(final, exc) from None
         self._staged.append((Path(tmp), final))
         try:
+            os.fchmod(fd, _mode_for(final))
             with os.fdopen(fd, "wb") as f:
                 yield f
                 f.flush()
@@ -75,6 +76,16 @@ class StagedFiles:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.discard()
+
+
+def _mode_for(final: Path) -> int:
+    """mkstemp makes 0600 files: give the output the mode it replaces, or the umask's default."""
+    try:
+        return final.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,55 @@
+"""Write the golden files of the current patch format version into tests/golden/.
+
+Run once when a format version or codec is added; never to "fix" a failing
+golden test: the point of those files is that patches written by an old
+pulsediff keep applying, byte for byte.
+
+    python scripts/make_golden.py tests/golden/v1
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from pulsediff import make_patch
+from pulsediff.inspect import checkpoint_digest_of
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(20261122)
+    g = torch.Generator().manual_seed(20261122)
+    w = torch.randn(48, 40, generator=g).bfloat16()
+    w2 = w.clone().view(torch.int16)
+    w2.view(-1)[torch.from_numpy(rng.choice(w2.numel(), 30, replace=False))] += 1  # 1-ULP moves, as at RL lrs
+    base = {"w": w, "f32": torch.randn(64, generator=g), "ids": torch.arange(6), "gone": torch.ones(2)}
+    target = {"w": w2.view(torch.bfloat16), "f32": base["f32"] * 2, "ids": base["ids"], "added": torch.zeros(3, dtype=torch.float16)}
+    save_file(base, str(out / "base.safetensors"), metadata={"step": "0"})
+    save_file(target, str(out / "target.safetensors"), metadata={"step": "1"})
+    make_patch(out / "base.safetensors", out / "target.safetensors", out / "exact.gap-zstd.pulsediff", device="cpu")
+
+    m0 = torch.randn(32, 16, generator=g) * 0.02
+    m1 = m0 + 1e-6 * torch.randn(32, 16, generator=g).sign()
+    save_file({"m": m0}, str(out / "base32.safetensors"))
+    save_file({"m": m1}, str(out / "target32.safetensors"))
+    make_patch(out / "base32.safetensors", out / "target32.safetensors", out / "bf16.gap-zstd.pulsediff",
+               precision="bf16", device="cpu")
+    save_file({"m": m1.bfloat16()}, str(out / "target32.as-bf16.safetensors"))
+
+    expected = {
+        "exact.gap-zstd.pulsediff": {"base": "base.safetensors", "target": "target.safetensors",
+                                     "target_digest": checkpoint_digest_of(out / "target.safetensors")},
+        "bf16.gap-zstd.pulsediff": {"base": "base32.safetensors", "target": "target32.as-bf16.safetensors",
+                                    "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16")},
+    }
+    (out / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
