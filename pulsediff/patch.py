@@ -214,6 +214,8 @@ class _Parser:
             codec = get_codec(section.codec)
             if op == "patch" and not codec.needs_base:
                 raise self.fail(f"{where}: codec {section.codec!r} cannot patch")
+            if codec.changed_count(section.params) not in (None, changed):
+                raise self.fail(f"{where}: the codec's count contradicts changed")
         return TensorRecord(name, dtype, tuple(shape), op, changed, target_hash, base_hash if op != "full" else None, section)
 
     def layout(self, obj, n_tensors: int) -> Layout:
