@@ -1,0 +1,103 @@
+"""Reading checkpoints: agreement with the safetensors library, and hostile files refused."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pulsediff import apply_patch, make_patch
+from pulsediff.checkpoint import Checkpoint, TensorView
+from pulsediff.errors import CheckpointNotFoundError, InvalidCheckpointError, OutputError
+
+from ckpt_factory import TORCH_DTYPES, mutate, random_tensor, save, save_sharded
+
+
+def test_views_agree_with_safetensors(tmp_path):
+    rng = np.random.default_rng(21)
+    tensors = {f"t_{name}": random_tensor(rng, name, (3, 5)) for name in TORCH_DTYPES}
+    path = save(tensors, tmp_path / "all.safetensors")
+    loaded = load_file(str(path))
+    with Checkpoint(path) as ckpt:
+        view = TensorView(ckpt, "exact")
+        assert sorted(ckpt.names) == sorted(tensors)
+        for name, t in loaded.items():
+            got = view.get(name)
+            assert got.shape == tuple(t.shape)
+            expected = t.contiguous().view(torch.uint8).numpy().tobytes()
+            assert got.bits.tobytes() == expected
+
+
+def write_raw(path, header: dict | bytes, data: bytes = b"", length: int | None = None):
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header,data,length,reason", [
+    (b"", b"", 2**40, "exceeds"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, 10**6, "past the end"),
+    (b"not json", b"", None, "not valid UTF-8 JSON"),
+    (b"[1,2]", b"", None, "not a JSON object"),
+    ({"a": {"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None, "unsupported dtype"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, None, "do not match"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, None, "hole"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, None, "overlaps"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 9, None, "data region"),
+    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, None, "invalid shape"),
+    ({"__metadata__": {"k": 1}}, b"", None, "__metadata__"),
+])
+def test_hostile_safetensors_are_refused(tmp_path, header, data, length, reason):
+    path = write_raw(tmp_path / "bad.safetensors", header, data, length)
+    with pytest.raises(InvalidCheckpointError, match=reason):
+        Checkpoint(path)
+
+
+def test_short_file_and_missing_file(tmp_path):
+    (tmp_path / "short.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(InvalidCheckpointError, match="shorter"):
+        Checkpoint(tmp_path / "short.safetensors")
+    with pytest.raises(CheckpointNotFoundError):
+        Checkpoint(tmp_path / "nope.safetensors")
+
+
+def test_hostile_index_is_refused(tmp_path):
+    rng = np.random.default_rng(22)
+    folder = save_sharded({"a": random_tensor(rng, "F32", (2,)), "b": random_tensor(rng, "F32", (2,))}, tmp_path / "m", 2)
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["a"] = "../escape.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(InvalidCheckpointError, match="outside the folder"):
+        Checkpoint(folder)
+    index["weight_map"]["a"] = index["weight_map"]["b"]  # says a lives where it does not
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(InvalidCheckpointError, match="does not match"):
+        Checkpoint(folder)
+
+
+def test_full_disk_during_apply_leaves_nothing(tmp_path, monkeypatch):
+    rng = np.random.default_rng(23)
+    base = {"w": random_tensor(rng, "BF16", (100, 10))}
+    old = save(base, tmp_path / "old.safetensors")
+    new = save({"w": mutate(rng, base["w"], 0.1)}, tmp_path / "new.safetensors")
+    make_patch(old, new, tmp_path / "p", device="cpu")
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OutputError, match="no space left on device"):
+        apply_patch(old, tmp_path / "p", tmp_path / "out.safetensors", device="cpu")
+    with pytest.raises(OutputError):
+        apply_patch(old, tmp_path / "p", in_place=True, device="cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert old.read_bytes() == save(base, tmp_path / "again.safetensors").read_bytes()
