@@ -29,7 +29,9 @@ def cuda_usable() -> tuple[bool, str]:
         from numba import cuda
     except Exception as exc:  # numba-cuda not installed, or broken
         return False, f"numba CUDA support is not importable ({exc.__class__.__name__})"
-    simulated = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+    from numba import config
+
+    simulated = bool(config.ENABLE_CUDASIM)  # numba reads the variable once, at import
     try:
         if cuda.is_available():
             return True, "simulator" if simulated else "gpu"
@@ -40,13 +42,14 @@ def cuda_usable() -> tuple[bool, str]:
 
 def _no_gpu_visible() -> bool:
     """Cheap check that spares CPU-only machines the ~0.8 s import of numba.cuda under --device auto."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or os.name != "posix" or not os.path.isdir("/dev"):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0") or os.name != "posix" or not os.path.isdir("/dev"):
         return False
-    return not any(name.startswith("nvidia") for name in os.listdir("/dev"))
+    # Linux drivers create /dev/nvidia*; WSL2 exposes GPUs as /dev/dxg.
+    return not any(name.startswith("nvidia") or name == "dxg" for name in os.listdir("/dev"))
 
 
 def get_backend(device: str | None = None) -> ModuleType:
-    device = (device or os.environ.get("PULSEDIFF_DEVICE") or "auto").lower()
+    device = str(device or os.environ.get("PULSEDIFF_DEVICE") or "auto").strip().lower()
     if device not in DEVICES:
         raise UsageError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if device == "cpu" or (device == "auto" and _no_gpu_visible()):

@@ -60,6 +60,8 @@ def _write_changed(old, new, offsets, positions, values):
 def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Positions (int64, ascending) where `new` differs from `old`, and `new`'s bits there."""
     n = old.size
+    if new.size != n:
+        raise ValueError("diff_compact needs arrays of equal length")  # @njit does no bounds checks
     if n == 0:
         return np.empty(0, np.int64), np.empty(0, new.dtype)
     nchunks = _num_chunks(n)
@@ -90,7 +92,13 @@ def _scatter(out, positions, values):
 
 
 def scatter(out: np.ndarray, positions: np.ndarray, values: np.ndarray) -> int:
-    """out[positions] = values in place; returns the number of out-of-range positions (0 when valid)."""
+    """out[positions] = values in place; returns the number of out-of-range positions (0 when valid).
+
+    Positions must be distinct (valid patches have strictly increasing ones):
+    with duplicates, which value wins is unspecified on every backend.
+    """
+    if values.size != positions.size:
+        raise ValueError("scatter needs as many values as positions")  # @njit does no bounds checks
     if positions.size == 0:
         return 0
     return int(_scatter(out, positions, values))

@@ -1,0 +1,14 @@
+"""Test-session setup shared by every test module.
+
+The CUDA kernels are tested on machines without a GPU through Numba's CUDA
+simulator, which Numba reads from the environment once, when `numba` is first
+imported. So this must run before anything imports numba, which is why it is
+at the top level of conftest.py (pytest imports it before any test module).
+
+`setdefault`, not assignment: a CI job with a real GPU can run the same tests
+on the hardware with NUMBA_ENABLE_CUDASIM=0.
+"""
+
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
