@@ -116,7 +116,7 @@ def _block_inclusive_scan(sh, value):
 # --- diff_compact ------------------------------------------------------------
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _count_changed(old, new, items, counts):
     sh = cuda.shared.array(0, int64)
     tid = cuda.threadIdx.x
@@ -137,7 +137,7 @@ def _count_changed(old, new, items, counts):
             counts[tile] = total
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _write_changed(old, new, items, offsets, positions, values):
     sh = cuda.shared.array(0, int64)
     tid = cuda.threadIdx.x
@@ -193,7 +193,7 @@ def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
 # --- scatter -------------------------------------------------------------------
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _scatter(out, positions, values, bad_per_block):
     sh = cuda.shared.array(0, int64)
     n = out.size
@@ -246,7 +246,7 @@ def scatter(out: np.ndarray, positions: np.ndarray, values: np.ndarray) -> int:
 # --- gaps_to_positions ---------------------------------------------------------
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _tile_sums(gaps, items, sums, bads):
     sh = cuda.shared.array(0, int64)
     tid = cuda.threadIdx.x
@@ -273,7 +273,7 @@ def _tile_sums(gaps, items, sums, bads):
             bads[tile] = tile_bad
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _scan_tiles(gaps, items, starts, positions):
     sh = cuda.shared.array(0, int64)
     tid = cuda.threadIdx.x
