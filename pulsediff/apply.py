@@ -21,7 +21,7 @@ import numpy as np
 from .atomic import StagedFiles
 from .checkpoint import INDEX_NAME, Checkpoint, TensorView
 from .codecs import get_codec
-from .codecs.base import SectionContext, zstd_decompress_exact
+from .codecs.base import Scratch, SectionContext, zstd_decompress_exact
 from .digest import TensorId, checkpoint_digest, tensor_hash
 from .errors import (
     BaseMismatchError,
@@ -105,9 +105,10 @@ def apply_patch(
                 return ApplyResult("up-to-date", out_path, header)
             backend = get_backend(device)
             copy_all = digest == header.target_digest  # base is the target: only the layout may differ
+            scratch = Scratch()
 
             def rebuild(rec: TensorRecord, payload: bytes | None) -> np.ndarray:
-                return _rebuild(rec, None if copy_all else payload, view, backend, reader.source)
+                return _rebuild(rec, None if copy_all else payload, view, backend, reader.source, scratch)
 
             _check_output_kind(header, out_path)
             _write_target(header, reader, rebuild, out_path, progress)
@@ -156,7 +157,8 @@ def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: s
 # -- rebuilding -----------------------------------------------------------------
 
 
-def _rebuild(rec: TensorRecord, payload: bytes | None, view: TensorView, backend, source: str) -> np.ndarray:
+def _rebuild(rec: TensorRecord, payload: bytes | None, view: TensorView, backend, source: str,
+             scratch: Scratch) -> np.ndarray:
     """One target tensor's bits; `payload` None means: the base tensor as it is."""
     if payload is None:
         bits = view.get(rec.name).bits
@@ -164,7 +166,7 @@ def _rebuild(rec: TensorRecord, payload: bytes | None, view: TensorView, backend
         codec = get_codec(rec.section.codec)
         base_bits = view.get(rec.name).bits if rec.op == "patch" else None
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
-        bits = codec.decode(base_bits, payload, rec.section.params, ctx, backend)
+        bits = codec.decode(base_bits, payload, rec.section.params, ctx, backend, scratch)
     if tensor_hash(bits) != rec.target_hash:
         raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
     return bits

@@ -56,7 +56,8 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(self, base: np.ndarray | None, payload: bytes, params: dict, ctx: SectionContext,
-               kernels: ModuleType) -> np.ndarray: ...
+               kernels: ModuleType, scratch: "Scratch") -> np.ndarray:
+        """The target bits; may live in `scratch`, so use them before the next decode."""
 
     def changed_count(self, params: dict) -> int | None:
         """Changed elements the section carries, when the codec knows it without decoding."""
@@ -64,6 +65,24 @@ class Codec(ABC):
 
     def index_bytes(self, params: dict) -> int:
         return 0
+
+
+class Scratch:
+    """One output buffer reused from tensor to tensor.
+
+    Fresh memory costs a page fault per 4 KiB on first touch, which on VMs
+    costs more than copying the tensor itself; reusing one buffer pays that
+    once, for the largest tensor.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def take(self, count: int, dtype: np.dtype) -> np.ndarray:
+        nbytes = count * np.dtype(dtype).itemsize
+        if self._buf.nbytes < nbytes:
+            self._buf = np.empty(nbytes, np.uint8)
+        return self._buf[:nbytes].view(dtype)
 
 
 # -- shared, checked helpers -------------------------------------------------

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import numpy as np
 
-from .base import Codec, Encoded, SectionContext, zstd_compress, zstd_decompress_exact
+from .base import Codec, Encoded, Scratch, SectionContext, zstd_compress, zstd_decompress_exact
 
 
 class FullZstd(Codec):
@@ -20,6 +20,6 @@ class FullZstd(Codec):
     def encode(self, base, target, positions, values) -> Encoded:
         return Encoded((zstd_compress(target),), {})
 
-    def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType) -> np.ndarray:
+    def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
         raw = zstd_decompress_exact(payload, ctx.numel * ctx.itemsize, ctx, "tensor data")
         return np.frombuffer(raw, dtype=f"<u{ctx.itemsize}")

@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 
 from ..errors import CorruptPatchError
-from .base import Codec, Encoded, SectionContext, parse_choice, parse_uint, zstd_compress, zstd_decompress_exact
+from .base import Codec, Encoded, Scratch, SectionContext, parse_choice, parse_uint, zstd_compress, zstd_decompress_exact
 
 
 def gap_width(numel: int) -> int:
@@ -36,7 +36,7 @@ class GapZstd(Codec):
         params = {"count": int(positions.size), "gap_width": width, "gap_bytes": len(gap_frame)}
         return Encoded((gap_frame, value_frame), params, index_bytes=len(gap_frame))
 
-    def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType) -> np.ndarray:
+    def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
         count = parse_uint(params, "count", ctx, ctx.numel)
         width = parse_choice(params, "gap_width", ctx, (4, 8))
         gap_bytes = parse_uint(params, "gap_bytes", ctx, len(payload))
@@ -50,7 +50,8 @@ class GapZstd(Codec):
         positions, bad = kernels.gaps_to_positions(gaps)
         if bad or (count and positions[-1] >= ctx.numel):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: changed positions are out of order or out of range")
-        out = base.copy()
+        out = scratch.take(base.size, base.dtype)
+        np.copyto(out, base)
         if kernels.scatter(out, positions, values):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: changed positions are out of range")
         return out
