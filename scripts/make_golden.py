@@ -1,8 +1,9 @@
 """Write the golden files of the current patch format version into tests/golden/.
 
-Run once when a format version or codec is added; never to "fix" a failing
-golden test: the point of those files is that patches written by an old
-pulsediff keep applying, byte for byte.
+Run when a format version or codec is added: it writes only the files that do
+not exist yet, so the committed ones stay as an older pulsediff wrote them.
+Never delete a golden file to "fix" a failing test: the point of those files
+is that patches written by an old pulsediff keep applying, byte for byte.
 
     python scripts/make_golden.py tests/golden/v1
 """
@@ -21,6 +22,14 @@ from pulsediff import make_patch
 from pulsediff.inspect import checkpoint_digest_of
 
 
+CODECS = ("gap-zstd", "ctx-rans")
+
+
+def _write_once(path: Path, write) -> None:
+    if not path.exists():
+        write(path)
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(20261122)
@@ -30,24 +39,29 @@ def main(out: Path) -> None:
     w2.view(-1)[torch.from_numpy(rng.choice(w2.numel(), 30, replace=False))] += 1  # 1-ULP moves, as at RL lrs
     base = {"w": w, "f32": torch.randn(64, generator=g), "ids": torch.arange(6), "gone": torch.ones(2)}
     target = {"w": w2.view(torch.bfloat16), "f32": base["f32"] * 2, "ids": base["ids"], "added": torch.zeros(3, dtype=torch.float16)}
-    save_file(base, str(out / "base.safetensors"), metadata={"step": "0"})
-    save_file(target, str(out / "target.safetensors"), metadata={"step": "1"})
-    make_patch(out / "base.safetensors", out / "target.safetensors", out / "exact.gap-zstd.pulsediff", device="cpu")
+    _write_once(out / "base.safetensors", lambda p: save_file(base, str(p), metadata={"step": "0"}))
+    _write_once(out / "target.safetensors", lambda p: save_file(target, str(p), metadata={"step": "1"}))
+    for codec in CODECS:
+        _write_once(out / f"exact.{codec}.pulsediff", lambda p: make_patch(
+            out / "base.safetensors", out / "target.safetensors", p, codec=codec, device="cpu"))
 
     m0 = torch.randn(32, 16, generator=g) * 0.02
     m1 = m0 + 1e-6 * torch.randn(32, 16, generator=g).sign()
-    save_file({"m": m0}, str(out / "base32.safetensors"))
-    save_file({"m": m1}, str(out / "target32.safetensors"))
-    make_patch(out / "base32.safetensors", out / "target32.safetensors", out / "bf16.gap-zstd.pulsediff",
-               precision="bf16", device="cpu")
-    save_file({"m": m1.bfloat16()}, str(out / "target32.as-bf16.safetensors"))
+    _write_once(out / "base32.safetensors", lambda p: save_file({"m": m0}, str(p)))
+    _write_once(out / "target32.safetensors", lambda p: save_file({"m": m1}, str(p)))
+    _write_once(out / "target32.as-bf16.safetensors", lambda p: save_file({"m": m1.bfloat16()}, str(p)))
+    for codec in CODECS:
+        _write_once(out / f"bf16.{codec}.pulsediff", lambda p: make_patch(
+            out / "base32.safetensors", out / "target32.safetensors", p, precision="bf16", codec=codec, device="cpu"))
 
-    expected = {
-        "exact.gap-zstd.pulsediff": {"base": "base.safetensors", "target": "target.safetensors",
-                                     "target_digest": checkpoint_digest_of(out / "target.safetensors")},
-        "bf16.gap-zstd.pulsediff": {"base": "base32.safetensors", "target": "target32.as-bf16.safetensors",
-                                    "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16")},
-    }
+    expected = {}
+    for codec in CODECS:
+        expected[f"exact.{codec}.pulsediff"] = {
+            "base": "base.safetensors", "target": "target.safetensors",
+            "target_digest": checkpoint_digest_of(out / "target.safetensors")}
+        expected[f"bf16.{codec}.pulsediff"] = {
+            "base": "base32.safetensors", "target": "target32.as-bf16.safetensors",
+            "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16")}
     (out / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
 
 

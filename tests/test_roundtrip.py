@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from pulsediff import apply_patch, make_patch, read_patch_header
+from pulsediff.codecs import SPARSE_CODECS
 from pulsediff.inspect import checkpoint_digest_of
 
 from ckpt_factory import TORCH_DTYPES, folder_bytes, mutate, random_tensor, save, save_sharded
@@ -33,8 +34,9 @@ def roundtrip_file(tmp: Path, old: Path, new: Path, **kw) -> Path:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from(DTYPE_NAMES), shape=shapes, density=st.sampled_from(DENSITIES), seed=st.integers(0, 2**32 - 1))
-def test_exact_roundtrip_every_dtype_shape_density(dtype, shape, density, seed):
+@given(dtype=st.sampled_from(DTYPE_NAMES), shape=shapes, density=st.sampled_from(DENSITIES), seed=st.integers(0, 2**32 - 1),
+       codec=st.sampled_from(SPARSE_CODECS))
+def test_exact_roundtrip_every_dtype_shape_density(dtype, shape, density, seed, codec):
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -42,12 +44,13 @@ def test_exact_roundtrip_every_dtype_shape_density(dtype, shape, density, seed):
         target = {"t": mutate(rng, base["t"], density), "other": base["other"]}
         old = save(base, tmp / "old.safetensors")
         new = save(target, tmp / "new.safetensors")
-        out = roundtrip_file(tmp, old, new)
+        out = roundtrip_file(tmp, old, new, codec=codec)
         assert filecmp.cmp(out, new, shallow=False)
 
 
+@pytest.mark.parametrize("codec", SPARSE_CODECS)
 @pytest.mark.parametrize("density", DENSITIES)
-def test_exact_roundtrip_structural_changes(tmp_path, density):
+def test_exact_roundtrip_structural_changes(tmp_path, density, codec):
     """Values, added, removed, reshaped and retyped tensors, and metadata, all at once."""
     rng = np.random.default_rng(1)
     base = {
@@ -68,7 +71,7 @@ def test_exact_roundtrip_structural_changes(tmp_path, density):
     }
     old = save(base, tmp_path / "old.safetensors", metadata={"step": "1"})
     new = save(target, tmp_path / "new.safetensors", metadata={"step": "2", "note": "ü"})
-    out = roundtrip_file(tmp_path, old, new)
+    out = roundtrip_file(tmp_path, old, new, codec=codec)
     assert filecmp.cmp(out, new, shallow=False)
     header = read_patch_header(tmp_path / "p.pulsediff")
     ops = {t.name: t.op for t in header.tensors}
@@ -98,15 +101,16 @@ def test_make_is_deterministic(tmp_path):
     assert (tmp_path / "p1").read_bytes() == (tmp_path / "p2").read_bytes()
 
 
+@pytest.mark.parametrize("codec", SPARSE_CODECS)
 @pytest.mark.parametrize("shards_old,shards_new", [(2, 2), (3, 2), (1, 3)])
-def test_sharded_roundtrip(tmp_path, shards_old, shards_new):
+def test_sharded_roundtrip(tmp_path, shards_old, shards_new, codec):
     rng = np.random.default_rng(4)
     base = {f"layer.{i}.w": random_tensor(rng, "BF16", (40, 17)) for i in range(6)}
     target = {k: mutate(rng, v, 0.01) for k, v in base.items()}
     old = save_sharded(base, tmp_path / "old", shards_old)
     new = save_sharded(target, tmp_path / "new", shards_new)
     patch = tmp_path / "p"
-    make_patch(old, new, patch, device="cpu")
+    make_patch(old, new, patch, device="cpu", codec=codec)
     out = tmp_path / "out"
     apply_patch(old, patch, out, device="cpu")
     assert folder_bytes(out) == folder_bytes(new)
@@ -150,8 +154,9 @@ def bf16_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 3000), scale=st.sampled_from([1e-7, 1e-6, 1e-3]))
-def test_bf16_mode_from_fp32_masters(seed, n, scale):
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 3000), scale=st.sampled_from([1e-7, 1e-6, 1e-3]),
+       codec=st.sampled_from(SPARSE_CODECS))
+def test_bf16_mode_from_fp32_masters(seed, n, scale, codec):
     """Target is bf16(NEW) tensor for tensor; base may be the FP32 masters or their BF16 cast."""
     g = torch.Generator().manual_seed(seed)
     w0 = torch.randn(n, generator=g) * 0.02
@@ -162,7 +167,7 @@ def test_bf16_mode_from_fp32_masters(seed, n, scale):
         old = save({"w": w0, "s": special, "ids": torch.arange(4)}, tmp / "old32.safetensors")
         new = save({"w": w1, "s": special, "ids": torch.arange(4) * 2}, tmp / "new32.safetensors")
         patch = tmp / "p"
-        make_patch(old, new, patch, precision="bf16", device="cpu")
+        make_patch(old, new, patch, precision="bf16", device="cpu", codec=codec)
         header = read_patch_header(patch)
         changed_w = int((bf16_bits(w0) != bf16_bits(w1)).sum())
         assert {t.name: t.changed for t in header.tensors}["w"] == changed_w

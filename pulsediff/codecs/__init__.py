@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from ..errors import UnknownCodecError
 from .base import Codec
+from .ctx_rans import CtxRans
 from .full_zstd import FullZstd
 from .gap_zstd import GapZstd
 
-REGISTRY: dict[str, Codec] = {c.id: c for c in (GapZstd(), FullZstd())}
+REGISTRY: dict[str, Codec] = {c.id: c for c in (GapZstd(), CtxRans(), FullZstd())}
 
 # Codecs `make --codec` may choose for changed tensors (FullZstd is picked per
 # tensor when a sparse encoding would not be smaller).
-SPARSE_CODECS = ("gap-zstd",)
+SPARSE_CODECS = ("gap-zstd", "ctx-rans")
 DEFAULT_SPARSE_CODEC = "gap-zstd"
 
 

@@ -41,8 +41,8 @@ class Codec(ABC):
     """Encode one changed tensor against its base; decode it back bit for bit.
 
     `encode` receives the base and target bits (same width, same length, or
-    base None for a tensor that has no base) and, for sparse codecs, the
-    changed positions and values found by the kernel. `decode` receives the
+    base None for a tensor that has no base), for sparse codecs the changed
+    positions and values found by the kernel, and the tensor's DType. `decode` receives the
     section bytes and params and returns the target bits; it must validate
     every number it reads before using it, raising CorruptPatchError.
     """
@@ -52,7 +52,7 @@ class Codec(ABC):
 
     @abstractmethod
     def encode(self, base: np.ndarray | None, target: np.ndarray, positions: np.ndarray | None,
-               values: np.ndarray | None) -> Encoded: ...
+               values: np.ndarray | None, dtype=None) -> Encoded: ...
 
     @abstractmethod
     def decode(self, base: np.ndarray | None, payload: bytes, params: dict, ctx: SectionContext,

@@ -188,3 +188,140 @@ def gaps_to_positions(gaps: np.ndarray) -> tuple[np.ndarray, int]:
     positions = np.empty(n, np.int64)
     bad = _gaps_to_positions(gaps, starts, positions)
     return positions, int(bad)
+
+
+# -- base-context kernels (codec ctx-rans) ------------------------------------
+#
+# An element's *class* is a few bits of its base value, (bits >> shift) & mask
+# (the exponent, for floats): the receiver knows it before decoding anything.
+# Positions are coded as ranks inside a class: rank = how many base elements of
+# the same class come before it. Both directions are a chunked scan: per-chunk
+# class histograms, an exclusive scan over chunks, then a walk of each chunk
+# with running per-class counters.
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _class_histograms(base, shift, mask, nchunks):
+    # Four interleaved sub-histograms: neighbouring weights mostly share an
+    # exponent, and one counter would serialise on its own store-to-load latency.
+    n = base.size
+    step = (n + nchunks - 1) // nchunks
+    ncls = mask + 1
+    hist = np.zeros((nchunks, ncls), np.int64)
+    for c in prange(nchunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        sub = np.zeros((4, ncls), np.int64)
+        i = lo
+        while i + 4 <= hi:
+            sub[0, (np.int64(base[i]) >> shift) & mask] += 1
+            sub[1, (np.int64(base[i + 1]) >> shift) & mask] += 1
+            sub[2, (np.int64(base[i + 2]) >> shift) & mask] += 1
+            sub[3, (np.int64(base[i + 3]) >> shift) & mask] += 1
+            i += 4
+        while i < hi:
+            sub[0, (np.int64(base[i]) >> shift) & mask] += 1
+            i += 1
+        for k in range(ncls):
+            hist[c, k] = sub[0, k] + sub[1, k] + sub[2, k] + sub[3, k]
+    return hist
+
+
+def chunk_class_starts(base: np.ndarray, shift: int, mask: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts[chunk, class]: elements of that class before the chunk, sizes[class])."""
+    hist = _class_histograms(base, shift, mask, _num_chunks(base.size))
+    starts = np.zeros_like(hist)
+    np.cumsum(hist[:-1], axis=0, out=starts[1:])
+    return starts, hist.sum(axis=0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _class_ranks(base, shift, mask, positions, starts, ranks):
+    n = base.size
+    nchunks = starts.shape[0]
+    step = (n + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        counter = starts[c].copy()
+        j = np.searchsorted(positions, lo)
+        nxt = positions[j] if j < positions.size else n
+        for i in range(lo, hi):
+            cls = (np.int64(base[i]) >> shift) & mask
+            r = counter[cls]
+            counter[cls] = r + 1
+            if i == nxt:
+                ranks[j] = r
+                j += 1
+                nxt = positions[j] if j < positions.size else n
+
+
+def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per changed position (ascending): its rank within its class. Also returns class sizes."""
+    starts, sizes = chunk_class_starts(base, shift, mask)
+    ranks = np.empty(positions.size, np.int64)
+    if positions.size:
+        _class_ranks(base, shift, mask, positions, starts, ranks)
+    return ranks, sizes
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out):
+    # `out` already holds a copy of base; only listed (class, rank) elements change.
+    n = base.size
+    nchunks = starts.shape[0]
+    step = (n + nchunks - 1) // nchunks
+    ncls = mask + 1
+    applied = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        counter = starts[c].copy()
+        ptr = np.empty(ncls, np.int64)
+        nxt = np.empty(ncls, np.int64)  # rank of the next listed element of each class, -1 if none
+        for k in range(ncls):
+            a = class_offsets[k]
+            b = class_offsets[k + 1]
+            ptr[k] = a + np.searchsorted(ranks[a:b], counter[k])
+            nxt[k] = ranks[ptr[k]] if ptr[k] < b else -1
+        done = 0
+        for i in range(lo, hi):
+            v = base[i]
+            cls = (np.int64(v) >> shift) & mask
+            r = counter[cls]
+            counter[cls] = r + 1
+            if r == nxt[cls]:
+                p = ptr[cls]
+                z = np.uint64(deltas[p])
+                d = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))  # un-zigzag, mod 2**64
+                out[i] = v + d  # wraps modulo 2**width: exact integer arithmetic on bit patterns
+                p += 1
+                ptr[cls] = p
+                nxt[cls] = ranks[p] if p < class_offsets[cls + 1] else -1
+                done += 1
+        applied[c] = done
+    return applied.sum()
+
+
+def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -> int:
+    """Rebuild base + deltas into `out`; returns how many (class, rank) entries were applied."""
+    np.copyto(out, base)
+    if base.size == 0:
+        return 0
+    return int(_apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out))
+
+
+@njit(cache=True, nogil=True)
+def class_major_order(classes, ncls):
+    """A stable counting sort's permutation: indices grouped by class, ascending within."""
+    counts = np.zeros(ncls + 1, np.int64)
+    for i in range(classes.size):
+        counts[classes[i] + 1] += 1
+    for k in range(ncls):
+        counts[k + 1] += counts[k]
+    order = np.empty(classes.size, np.int64)
+    for i in range(classes.size):
+        k = classes[i]
+        order[counts[k]] = i
+        counts[k] += 1
+    return order

@@ -1,0 +1,280 @@
+"""`ctx-rans`: positions coded in the base's context, values relative to the base.
+
+Why it is smaller than `gap-zstd`: at RL learning rates whether an element
+changes depends mostly on its base magnitude (an update of size lr crosses a
+BF16 rounding boundary with probability about lr / ULP(|w|)), and a change is
+almost always one unit in the last place. The receiver already holds the base,
+so both facts can be used for free:
+
+- positions: every element falls into a *class*, `(base_bits >> shift) & mask`
+  (the exponent field for floating types, one class otherwise). Inside a
+  class, the changed elements are listed by their rank among that class's
+  elements, and the gaps between ranks are Rice-coded with a parameter chosen
+  per class: each class is coded at its own density.
+- values: delta = new_bits - base_bits modulo 2**width, as a signed integer,
+  zigzag-mapped (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...), then a static rANS
+  code over min(zigzag, 255) with 255 escaping to the full value, stored
+  after. Exact integer arithmetic on bit patterns: no floating point at all.
+
+Section layout (all sizes in params):
+    class table   varint count of listed classes, then per class (ascending):
+                  varint class, varint changed count, u8 Rice parameter
+    positions     Rice codes of (gap - 1), class-major, LSB-first bits
+    frequencies   varint count of symbols, then per symbol (ascending):
+                  u8 symbol, varint frequency (they sum to 4096)
+    values        rANS stream of the symbols, class-major order
+    escapes       little-endian width-byte zigzag values for each symbol 255
+
+Safe only against the exact base it was made from: the base digest check
+before decoding is mandatory (apply always does it).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+from numba import njit
+
+from ..errors import CorruptPatchError
+from . import entropy
+from .base import Codec, Encoded, Scratch, SectionContext, parse_uint
+
+# (shift, bits) of the exponent field: the class of a base element.
+CLASS_FIELDS = {
+    "BF16": (7, 8), "F16": (10, 5), "F32": (23, 8), "F64": (52, 11),
+    "F8_E4M3": (3, 4), "F8_E5M2": (2, 5), "F8_E8M0": (0, 8),
+}
+MAX_CLASS_BITS = 12
+# Rice runs longer than this are avoided by raising k: the decoder refuses longer ones.
+_MAX_Q_BITS = 20
+
+
+def class_field(dtype_name: str) -> tuple[int, int]:
+    return CLASS_FIELDS.get(dtype_name, (0, 0))
+
+
+# -- varints -----------------------------------------------------------------
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return
+
+
+class _Reader:
+    def __init__(self, data: bytes, ctx: SectionContext, what: str):
+        self.data, self.pos, self.ctx, self.what = data, 0, ctx, what
+
+    def fail(self, why: str) -> CorruptPatchError:
+        return CorruptPatchError(self.ctx.source, f"tensor {self.ctx.name!r}: {self.what}: {why}")
+
+    def varint(self, upper: int) -> int:
+        value = shift = 0
+        while True:
+            if self.pos >= len(self.data) or shift > 63:
+                raise self.fail("bad varint")
+            byte = self.data[self.pos]
+            self.pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        if value > upper:
+            raise self.fail("value out of range")
+        return value
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            raise self.fail("truncated")
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    def done(self) -> None:
+        if self.pos != len(self.data):
+            raise self.fail("trailing bytes")
+
+
+# -- kernels local to this codec ----------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _ranks_from_rice_values(vals, counts, sizes, ranks):
+    """ranks = per-class running sums of (vals + 1) - 1; False if one passes its class size."""
+    k = 0
+    for m in range(counts.size):
+        r = np.int64(-1)
+        size = sizes[m]
+        for _ in range(counts[m]):
+            g = vals[k]
+            if g >= np.uint64(size):
+                return False
+            r += np.int64(g) + 1
+            if r >= size:
+                return False
+            ranks[k] = r
+            k += 1
+    return True
+
+
+def _zigzag_deltas(base_at: np.ndarray, values: np.ndarray, width_bits: int) -> np.ndarray:
+    d = values.astype(np.uint64) - base_at.astype(np.uint64)  # wraps modulo 2**64
+    if width_bits < 64:
+        d &= np.uint64((1 << width_bits) - 1)
+        sign = np.uint64(1 << (width_bits - 1))
+        s = (d ^ sign).view(np.int64) - np.int64(1 << (width_bits - 1))  # sign-extend
+    else:
+        s = d.view(np.int64)
+    return ((s << 1) ^ (s >> 63)).view(np.uint64)
+
+
+class CtxRans(Codec):
+    id = "ctx-rans"
+    needs_base = True
+
+    def encode(self, base, target, positions, values, dtype=None) -> Encoded:
+        from ..kernels import cpu
+
+        shift, bits = class_field(dtype.name if dtype is not None else "")
+        mask = (1 << bits) - 1
+        width = base.dtype.itemsize * 8
+        base_at = base[positions]
+        ranks, sizes = cpu.class_ranks(base, shift, mask, positions)
+        classes = (base_at.astype(np.int64) >> shift) & mask
+        order = cpu.class_major_order(classes, mask + 1)
+        classes, ranks = classes[order], ranks[order]
+        zigzag = _zigzag_deltas(base_at[order], values[order], width)
+
+        listed, counts = np.unique(classes, return_counts=True)
+        starts = np.zeros(listed.size, np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        prev = np.empty_like(ranks)
+        prev[1:] = ranks[:-1]
+        prev[starts] = -1
+        rice_vals = (ranks - prev - 1).astype(np.uint64)
+
+        ks = np.empty(listed.size, np.int64)
+        table = bytearray()
+        _put_varint(table, int(listed.size))
+        for m, (cls, n, s) in enumerate(zip(listed, counts, starts)):
+            part = rice_vals[s : s + n]
+            k = entropy.best_rice_k(part)
+            k = max(k, int(part.max()).bit_length() - _MAX_Q_BITS)  # keep unary runs short
+            ks[m] = k
+            _put_varint(table, int(cls))
+            _put_varint(table, int(n))
+            table.append(k)
+        groups = np.repeat(np.arange(listed.size, dtype=np.int64), counts)
+        rice_bits = sum(entropy.rice_cost(rice_vals[s : s + n], int(k)) for s, n, k in zip(starts, counts, ks))
+        rice_buf = np.zeros((rice_bits + 7) // 8 + 8, np.uint8)
+        used = entropy.rice_encode(rice_vals, ks, groups, rice_buf)
+        positions_bytes = rice_buf[:used].tobytes()
+
+        symbols = np.minimum(zigzag, np.uint64(entropy.ESCAPE)).astype(np.uint8)
+        escapes = zigzag[symbols == entropy.ESCAPE]
+        freqs = entropy.quantise_frequencies(np.bincount(symbols, minlength=256))
+        cums, _ = entropy.rans_tables(freqs)
+        freq_table = bytearray()
+        present = np.flatnonzero(freqs)
+        _put_varint(freq_table, int(present.size))
+        for s in present:
+            freq_table.append(int(s))
+            _put_varint(freq_table, int(freqs[s]))
+        rans_buf = np.empty(2 * symbols.size + 16, np.uint8)
+        start = entropy.rans_encode(symbols, freqs, cums, rans_buf)
+        rans_bytes = rans_buf[start:].tobytes()
+        escape_bytes = escapes.astype(f"<u{base.dtype.itemsize}").tobytes()
+
+        params = {
+            "count": int(positions.size), "class_shift": shift, "class_bits": bits,
+            "table_bytes": len(table), "position_bytes": len(positions_bytes),
+            "frequency_bytes": len(freq_table), "value_bytes": len(rans_bytes), "escapes": int(escapes.size),
+        }
+        parts = (bytes(table), positions_bytes, bytes(freq_table), rans_bytes, escape_bytes)
+        return Encoded(parts, params, index_bytes=len(table) + len(positions_bytes))
+
+    def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
+        from ..kernels import cpu  # the base-context scan has no CUDA twin yet
+
+        count = parse_uint(params, "count", ctx, ctx.numel)
+        shift = parse_uint(params, "class_shift", ctx, 63)
+        bits = parse_uint(params, "class_bits", ctx, MAX_CLASS_BITS)
+        mask = (1 << bits) - 1
+        n_escapes = parse_uint(params, "escapes", ctx, count)
+        lengths = [parse_uint(params, key, ctx, len(payload)) for key in
+                   ("table_bytes", "position_bytes", "frequency_bytes", "value_bytes")]
+        bounds = np.cumsum([0, *lengths, n_escapes * ctx.itemsize])
+        if bounds[-1] != len(payload):
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: section parts do not add up to its length")
+        table, pos_bytes, freq_bytes, rans_bytes, esc_bytes = (payload[bounds[i]:bounds[i + 1]] for i in range(5))
+
+        # class table
+        reader = _Reader(table, ctx, "class table")
+        listed = reader.varint(mask + 1)
+        classes = np.empty(listed, np.int64)
+        counts = np.empty(listed, np.int64)
+        ks = np.empty(listed, np.int64)
+        for m in range(listed):
+            classes[m] = reader.varint(mask)
+            counts[m] = reader.varint(count)
+            ks[m] = reader.byte()
+            if ks[m] > 62 or (m and classes[m] <= classes[m - 1]):
+                raise reader.fail("classes out of order or bad Rice parameter")
+        reader.done()
+        if int(counts.sum()) != count:
+            raise reader.fail("class counts do not add up")
+        starts, sizes_all = cpu.chunk_class_starts(base, shift, mask)
+
+        # positions: ranks within classes
+        rice_vals = np.empty(count, np.uint64)
+        groups = np.repeat(np.arange(listed, dtype=np.int64), counts)
+        status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, groups, rice_vals)
+        if status != entropy.OK or used != len(pos_bytes):
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
+        ranks = np.empty(count, np.int64)
+        if not _ranks_from_rice_values(rice_vals, counts, sizes_all[classes], ranks):
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
+
+        # values
+        reader = _Reader(freq_bytes, ctx, "frequency table")
+        freqs = np.zeros(256, np.int64)
+        last = -1
+        for _ in range(reader.varint(256)):
+            s = reader.byte()
+            if s <= last:
+                raise reader.fail("symbols out of order")
+            freqs[s] = reader.varint(entropy.PROB_SCALE)
+            last = s
+        reader.done()
+        if count and freqs.sum() != entropy.PROB_SCALE:
+            raise reader.fail("frequencies do not sum to the scale")
+        cums, slot_to_symbol = entropy.rans_tables(freqs)
+        symbols = np.empty(count, np.uint8)
+        if count and entropy.rans_decode(np.frombuffer(rans_bytes, np.uint8), freqs, cums, slot_to_symbol, symbols) != entropy.OK:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: value stream is damaged")
+        deltas = symbols.astype(np.uint64)
+        escaped = symbols == entropy.ESCAPE
+        if int(escaped.sum()) != n_escapes:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: escape count mismatch")
+        deltas[escaped] = np.frombuffer(esc_bytes, f"<u{ctx.itemsize}").astype(np.uint64)
+
+        offsets = np.zeros(mask + 2, np.int64)
+        per_class = np.zeros(mask + 1, np.int64)
+        per_class[classes] = counts
+        np.cumsum(per_class, out=offsets[1:])
+        out = scratch.take(base.size, base.dtype)
+        if cpu.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) != count:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
+        return out
+
+    def changed_count(self, params):
+        return params.get("count")
+
+    def index_bytes(self, params):
+        return params.get("table_bytes", 0) + params.get("position_bytes", 0)

@@ -1,0 +1,211 @@
+"""Entropy coders for the ctx-rans codec: Rice codes and static rANS.
+
+Both are sequential (they run over the changed elements only, ~1% of a
+tensor) and compiled with Numba. Decoders bound every read by the buffer they
+were given and report damage through a status code instead of reading past
+the end: a hostile section must not make them touch foreign memory.
+
+- Rice coding (Golomb coding with a power-of-two parameter, Rice 1979) of
+  n >= 0 with parameter k: q = n >> k as q one-bits and a zero-bit, then the
+  k low bits of n. Bits are packed LSB-first. Optimal for geometric
+  distributions when 2**k is near ln(2) times the mean.
+- rANS (Duda, "Asymmetric numeral systems", 2013; the byte-wise variant of
+  Giesen's ryg_rans): 32-bit state, 8-bit renormalisation, L = 2**23,
+  frequencies quantised to 2**12. The encoder runs backwards and emits bytes
+  in reverse; the stream stored here is already reversed, so the decoder
+  reads forwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+PROB_BITS = 12
+PROB_SCALE = 1 << PROB_BITS
+RANS_L = 1 << 23
+ESCAPE = 255  # symbol meaning: the value is stored whole in the escape list
+MAX_UNARY = 1 << 20  # a longer run of one-bits cannot come from our encoder
+
+OK, TRUNCATED, TOO_LONG, BAD_STATE = 0, 1, 2, 3
+
+
+# -- Rice ---------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def rice_encode(values, ks, groups, out):
+    """Rice-code values[i] with parameter ks[groups[i]]; returns bytes used in `out`.
+
+    `out` must be large enough: sum over i of (values[i] >> k) + 1 + k bits.
+    """
+    acc = np.uint64(0)
+    nacc = 0
+    pos = 0
+    for i in range(values.size):
+        v = np.uint64(values[i])
+        k = ks[groups[i]]
+        q = v >> np.uint64(k)
+        # unary part: q ones then a zero
+        while q > 0:
+            take = min(q, np.uint64(32))
+            acc |= ((np.uint64(1) << take) - np.uint64(1)) << np.uint64(nacc)
+            nacc += int(take)
+            q -= take
+            while nacc >= 8:
+                out[pos] = np.uint8(acc & np.uint64(0xFF))
+                pos += 1
+                acc >>= np.uint64(8)
+                nacc -= 8
+        nacc += 1  # the terminating zero bit
+        if k > 0:
+            low = v & ((np.uint64(1) << np.uint64(k)) - np.uint64(1))
+            # write k low bits, at most 32 at a time so acc never overflows
+            remaining = k
+            while remaining > 0:
+                take = min(remaining, 32)
+                part = low & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
+                acc |= part << np.uint64(nacc)
+                nacc += take
+                low >>= np.uint64(take)
+                remaining -= take
+                while nacc >= 8:
+                    out[pos] = np.uint8(acc & np.uint64(0xFF))
+                    pos += 1
+                    acc >>= np.uint64(8)
+                    nacc -= 8
+        while nacc >= 8:
+            out[pos] = np.uint8(acc & np.uint64(0xFF))
+            pos += 1
+            acc >>= np.uint64(8)
+            nacc -= 8
+    if nacc > 0:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
+        pos += 1
+    return pos
+
+
+@njit(cache=True, nogil=True)
+def rice_decode(data, ks, groups, out):
+    """Inverse of rice_encode for len(out) values; returns (status, bytes consumed)."""
+    nbits = data.size * 8
+    bit = 0
+    for i in range(out.size):
+        k = ks[groups[i]]
+        q = 0
+        while True:
+            if bit >= nbits:
+                return TRUNCATED, 0
+            b = (data[bit >> 3] >> (bit & 7)) & 1
+            bit += 1
+            if b == 0:
+                break
+            q += 1
+            if q > MAX_UNARY:
+                return TOO_LONG, 0
+        if bit + k > nbits:
+            return TRUNCATED, 0
+        low = np.uint64(0)
+        for j in range(k):
+            b = (data[(bit + j) >> 3] >> ((bit + j) & 7)) & 1
+            low |= np.uint64(b) << np.uint64(j)
+        bit += k
+        out[i] = (np.uint64(q) << np.uint64(k)) | low
+    return OK, (bit + 7) >> 3
+
+
+def rice_cost(values: np.ndarray, k: int) -> int:
+    return int((values >> np.uint64(k)).sum()) + values.size * (k + 1)
+
+
+def best_rice_k(values: np.ndarray) -> int:
+    """The k with the fewest bits, searched around log2 of the mean."""
+    if values.size == 0:
+        return 0
+    mean = float(values.mean()) + 1.0
+    guess = max(0, int(np.log2(mean)))
+    candidates = [k for k in (guess - 1, guess, guess + 1) if 0 <= k <= 62]
+    return min(candidates, key=lambda k: (rice_cost(values, k), k))
+
+
+# -- rANS ---------------------------------------------------------------------
+
+
+def quantise_frequencies(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to PROB_SCALE, every present symbol >= 1, deterministic."""
+    total = int(counts.sum())
+    freqs = np.zeros(counts.size, np.int64)
+    present = counts > 0
+    if total == 0:
+        return freqs
+    freqs[present] = np.maximum(1, (counts[present].astype(np.float64) * PROB_SCALE / total).astype(np.int64))
+    # Give or take the rounding error from the most frequent symbol (ties: lowest symbol).
+    diff = PROB_SCALE - int(freqs.sum())
+    order = np.lexsort((np.arange(counts.size), -counts))
+    i = 0
+    while diff != 0:
+        s = order[i % int(present.sum())]
+        if diff > 0:
+            freqs[s] += diff
+            diff = 0
+        else:
+            take = min(-diff, int(freqs[s]) - 1)
+            freqs[s] -= take
+            diff += take
+            i += 1
+    return freqs
+
+
+@njit(cache=True, nogil=True)
+def rans_encode(symbols, freqs, cums, out):
+    """Encode symbols; writes the stream to the END of `out`; returns its start index."""
+    x = np.uint64(RANS_L)
+    pos = out.size
+    for i in range(symbols.size - 1, -1, -1):
+        s = symbols[i]
+        f = np.uint64(freqs[s])
+        x_max = np.uint64(((RANS_L >> PROB_BITS) << 8)) * f
+        while x >= x_max:
+            pos -= 1
+            out[pos] = np.uint8(x & np.uint64(0xFF))
+            x >>= np.uint64(8)
+        x = ((x // f) << np.uint64(PROB_BITS)) + (x % f) + np.uint64(cums[s])
+    for _ in range(4):
+        pos -= 1
+        out[pos] = np.uint8(x & np.uint64(0xFF))
+        x >>= np.uint64(8)
+    return pos
+
+
+@njit(cache=True, nogil=True)
+def rans_decode(data, freqs, cums, slot_to_symbol, out):
+    """Decode len(out) symbols; returns a status code."""
+    if data.size < 4:
+        return TRUNCATED
+    pos = 0
+    x = np.uint64(0)
+    # The encoder wrote the state's low byte last, so it comes first... in reverse:
+    for _ in range(4):
+        x = (x << np.uint64(8)) | np.uint64(data[pos])
+        pos += 1
+    mask = np.uint64(PROB_SCALE - 1)
+    for i in range(out.size):
+        slot = x & mask
+        s = slot_to_symbol[slot]
+        out[i] = s
+        x = np.uint64(freqs[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(cums[s])
+        while x < np.uint64(RANS_L):
+            if pos >= data.size:
+                return TRUNCATED
+            x = (x << np.uint64(8)) | np.uint64(data[pos])
+            pos += 1
+    if x != np.uint64(RANS_L) or pos != data.size:
+        return BAD_STATE
+    return OK
+
+
+def rans_tables(freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    cums = np.zeros(freqs.size, np.int64)
+    np.cumsum(freqs[:-1], out=cums[1:])
+    slot_to_symbol = np.repeat(np.arange(freqs.size, dtype=np.uint8), freqs.astype(np.int64))
+    return cums, slot_to_symbol
