@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import numpy as np
 
 from .codecs import get_codec
 from .patch import PatchHeader
@@ -49,6 +51,9 @@ class PatchStats:
     target_bytes: int  # the dense rebuilt checkpoint
     ratio: float | None  # target_bytes / patch_bytes
     per_tensor: list[TensorStats]
+    # |new - base| in bit-pattern units (ULPs, for same-sign floats) -> count, over the
+    # sections whose codec stores differences; None when no section does.
+    ulp_histogram: dict[str, int] | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -98,24 +103,60 @@ def patch_stats(header: PatchHeader, header_bytes: int) -> PatchStats:
     )
 
 
-def stats_of_patch_file(path: str | Path) -> PatchStats:
+ULP_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 256), (257, 65535), (65536, 2**64)]
+
+
+def _bucket_name(lo: int, hi: int) -> str:
+    if lo == hi:
+        return str(lo)
+    return f">={lo}" if hi == 2**64 else f"{lo}-{hi}"
+
+
+def ulp_histogram(reader, header: PatchHeader) -> dict[str, int] | None:
+    """Histogram of |value difference| over the sections that store differences."""
+    from .codecs.base import SectionContext
+
+    counts = np.zeros(len(ULP_BUCKETS), np.int64)
+    seen = False
+    reader.read_next(header.layout.section, "layout")
+    for rec in header.tensors:
+        if rec.section is None:
+            continue
+        payload = reader.read_next(rec.section, f"tensor {rec.name!r}")
+        ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
+        deltas = get_codec(rec.section.codec).value_deltas(payload, rec.section.params, ctx)
+        if deltas is None:
+            continue
+        seen = True
+        mags = np.abs(deltas.astype(np.float64))  # float: |INT64_MIN| has no int64
+        edges = np.array([lo for lo, _ in ULP_BUCKETS[1:]], np.float64)
+        counts += np.bincount(np.searchsorted(edges, mags, side="right"), minlength=len(ULP_BUCKETS))
+    if not seen:
+        return None
+    return {_bucket_name(lo, hi): int(c) for (lo, hi), c in zip(ULP_BUCKETS, counts)}
+
+
+def _stats_from_stream(patch) -> PatchStats:
     from .apply import open_patch
 
-    reader, header, owned = open_patch(path)
+    reader, header, owned = open_patch(patch)
     try:
-        return patch_stats(header, reader.header_bytes)
+        s = patch_stats(header, reader.header_bytes)
+        return replace(s, ulp_histogram=ulp_histogram(reader, header))
     finally:
         if owned:
             owned.close()
 
 
+def stats_of_patch_file(path: str | Path) -> PatchStats:
+    return _stats_from_stream(path)
+
+
 def stats_of_pair(old: str | Path, new: str | Path, **make_kwargs) -> PatchStats:
     """Statistics of the patch `make` would write for OLD -> NEW (made in a temporary file)."""
-    from .apply import open_patch
     from .make import make_patch
 
     with tempfile.TemporaryFile() as f:
         make_patch(old, new, f, **make_kwargs)
         f.seek(0)
-        reader, header, _ = open_patch(f)
-        return patch_stats(header, reader.header_bytes)
+        return _stats_from_stream(f)

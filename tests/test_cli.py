@@ -160,3 +160,20 @@ def test_full_disk_leaves_nothing(pair, tmp_path):
     assert_one_line_error(proc, contains="No space left on device")
     assert patch  # the earlier, complete patch is untouched by the failed run
 
+
+
+def test_cli_default_codec_is_the_library_default():
+    from pulsediff.cli.options import DEFAULT_CODEC
+    from pulsediff.codecs import DEFAULT_SPARSE_CODEC
+
+    assert DEFAULT_CODEC == DEFAULT_SPARSE_CODEC
+
+
+def test_stats_shows_ulp_histogram(pair, tmp_path):
+    old, new = pair
+    run("make", old, new, "-o", tmp_path / "p", "-q", "--codec", "ctx-rans")
+    s = json.loads(run("stats", tmp_path / "p", "--json").stdout)
+    hist = s["ulp_histogram"]
+    assert sum(hist.values()) == s["changed"]
+    run("make", old, new, "-o", tmp_path / "g", "-q", "--codec", "gap-zstd")
+    assert json.loads(run("stats", tmp_path / "g", "--json").stdout)["ulp_histogram"] is None

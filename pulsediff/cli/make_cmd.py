@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .options import Device, Precision, Quiet
+from .options import DEFAULT_CODEC, Codec, Device, Precision, Quiet
 from .output import Output, human_bytes
 
 
@@ -16,7 +16,7 @@ def make(
     new: Annotated[Path, typer.Argument(help="Target checkpoint, same forms.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Patch file to write, or - for stdout.")],
     precision: Precision = "exact",
-    codec: Annotated[str, typer.Option("--codec", help="Codec for changed tensors (gap-zstd: the PULSESync paper's).")] = "gap-zstd",
+    codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
     quiet: Quiet = False,
 ) -> None:

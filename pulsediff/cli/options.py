@@ -11,6 +11,14 @@ Device = Annotated[
     str,
     typer.Option("--device", help="Kernel backend: auto (CUDA when a GPU is usable), cpu or cuda.", envvar="PULSEDIFF_DEVICE"),
 ]
+# Mirrors pulsediff.codecs.DEFAULT_SPARSE_CODEC (importing that would load numba on --help);
+# tests/test_cli.py checks they agree.
+DEFAULT_CODEC = "ctx-rans"
+Codec = Annotated[
+    str,
+    typer.Option("--codec", help="Codec for changed tensors: ctx-rans (base-context positions, base-relative "
+                 "values; smallest) or gap-zstd (the PULSESync paper's)."),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of a table.")]
 Precision = Annotated[
     str,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .options import Device, Json, Precision
+from .options import DEFAULT_CODEC, Codec, Device, Json, Precision
 from .output import Output, human_bytes
 
 
@@ -15,7 +15,7 @@ def stats(
     first: Annotated[Path, typer.Argument(metavar="PATCH | OLD", help="A patch, or the base checkpoint of a pair.")],
     second: Annotated[Optional[Path], typer.Argument(metavar="[NEW]", help="The target checkpoint, when FIRST is a base.")] = None,
     precision: Precision = "exact",
-    codec: Annotated[str, typer.Option("--codec", help="Codec to measure, for a checkpoint pair.")] = "gap-zstd",
+    codec: Codec = DEFAULT_CODEC,
     top: Annotated[int, typer.Option("--top", help="Tensors to list, largest patch share first (0: all).")] = 20,
     device: Device = "auto",
     as_json: Json = False,
@@ -44,11 +44,19 @@ def stats(
         ("  indices", f"{human_bytes(s.index_bytes)} ({pct(s.index_bytes)})"),
         ("  values", f"{human_bytes(s.value_bytes)} ({pct(s.value_bytes)})"),
         ("bits per changed element", bits),
+        ("  positions / values", f"{8 * s.index_bytes / s.changed:.2f} / {8 * s.value_bytes / s.changed:.2f}" if s.changed else "-"),
         ("dense target", human_bytes(s.target_bytes)),
         ("ratio (target / patch)", f"{s.ratio:.1f}x" if s.ratio else "-"),
         ("base digest", s.base_digest),
         ("target digest", s.target_digest),
     ])
+    if s.ulp_histogram is not None and s.changed:
+        total = sum(s.ulp_histogram.values())
+        out.table("changed values: |new - base| in units of the last place (bit-pattern distance)",
+                  ["ULPs", "elements", "share"],
+                  [(k, f"{v:,}", f"{100 * v / total:.2f}%") for k, v in s.ulp_histogram.items()], right=(1, 2))
+    elif s.changed:
+        out.info("ULP histogram: only for codecs that store differences (--codec ctx-rans)")
     rows = sorted(s.per_tensor, key=lambda t: (-t.bytes, t.name))
     if top > 0:
         rows = rows[:top]

@@ -20,7 +20,7 @@ REGISTRY: dict[str, Codec] = {c.id: c for c in (GapZstd(), CtxRans(), FullZstd()
 # Codecs `make --codec` may choose for changed tensors (FullZstd is picked per
 # tensor when a sparse encoding would not be smaller).
 SPARSE_CODECS = ("gap-zstd", "ctx-rans")
-DEFAULT_SPARSE_CODEC = "gap-zstd"
+DEFAULT_SPARSE_CODEC = "ctx-rans"
 
 
 def get_codec(codec_id: object) -> Codec:

@@ -59,6 +59,11 @@ class Codec(ABC):
                kernels: ModuleType, scratch: "Scratch") -> np.ndarray:
         """The target bits; may live in `scratch`, so use them before the next decode."""
 
+    def value_deltas(self, payload: bytes, params: dict, ctx: SectionContext) -> np.ndarray | None:
+        """Signed bit-pattern differences (new - base) of the changed elements, when the
+        section holds them without needing the base; None otherwise."""
+        return None
+
     def changed_count(self, params: dict) -> int | None:
         """Changed elements the section carries, when the codec knows it without decoding."""
         return None

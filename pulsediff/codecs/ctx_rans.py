@@ -202,17 +202,7 @@ class CtxRans(Codec):
     def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
         from ..kernels import cpu  # the base-context scan has no CUDA twin yet
 
-        count = parse_uint(params, "count", ctx, ctx.numel)
-        shift = parse_uint(params, "class_shift", ctx, 63)
-        bits = parse_uint(params, "class_bits", ctx, MAX_CLASS_BITS)
-        mask = (1 << bits) - 1
-        n_escapes = parse_uint(params, "escapes", ctx, count)
-        lengths = [parse_uint(params, key, ctx, len(payload)) for key in
-                   ("table_bytes", "position_bytes", "frequency_bytes", "value_bytes")]
-        bounds = np.cumsum([0, *lengths, n_escapes * ctx.itemsize])
-        if bounds[-1] != len(payload):
-            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: section parts do not add up to its length")
-        table, pos_bytes, freq_bytes, rans_bytes, esc_bytes = (payload[bounds[i]:bounds[i + 1]] for i in range(5))
+        count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = _split(payload, params, ctx)
 
         # class table
         reader = _Reader(table, ctx, "class table")
@@ -241,28 +231,7 @@ class CtxRans(Codec):
         if not _ranks_from_rice_values(rice_vals, counts, sizes_all[classes], ranks):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
 
-        # values
-        reader = _Reader(freq_bytes, ctx, "frequency table")
-        freqs = np.zeros(256, np.int64)
-        last = -1
-        for _ in range(reader.varint(256)):
-            s = reader.byte()
-            if s <= last:
-                raise reader.fail("symbols out of order")
-            freqs[s] = reader.varint(entropy.PROB_SCALE)
-            last = s
-        reader.done()
-        if count and freqs.sum() != entropy.PROB_SCALE:
-            raise reader.fail("frequencies do not sum to the scale")
-        cums, slot_to_symbol = entropy.rans_tables(freqs)
-        symbols = np.empty(count, np.uint8)
-        if count and entropy.rans_decode(np.frombuffer(rans_bytes, np.uint8), freqs, cums, slot_to_symbol, symbols) != entropy.OK:
-            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: value stream is damaged")
-        deltas = symbols.astype(np.uint64)
-        escaped = symbols == entropy.ESCAPE
-        if int(escaped.sum()) != n_escapes:
-            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: escape count mismatch")
-        deltas[escaped] = np.frombuffer(esc_bytes, f"<u{ctx.itemsize}").astype(np.uint64)
+        deltas = _decode_values(freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx)
 
         offsets = np.zeros(mask + 2, np.int64)
         per_class = np.zeros(mask + 1, np.int64)
@@ -273,8 +242,56 @@ class CtxRans(Codec):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
 
+    def value_deltas(self, payload, params, ctx: SectionContext) -> np.ndarray:
+        """Signed bit-pattern differences of the changed elements (no base needed)."""
+        count, _, _, n_escapes, parts = _split(payload, params, ctx)
+        zigzag = _decode_values(parts[2], parts[3], parts[4], count, n_escapes, ctx)
+        return ((zigzag >> np.uint64(1)) ^ (np.uint64(0) - (zigzag & np.uint64(1)))).view(np.int64)
+
     def changed_count(self, params):
         return params.get("count")
 
     def index_bytes(self, params):
         return params.get("table_bytes", 0) + params.get("position_bytes", 0)
+
+
+def _split(payload: bytes, params: dict, ctx: SectionContext):
+    """Checked params and the section's five parts."""
+    count = parse_uint(params, "count", ctx, ctx.numel)
+    shift = parse_uint(params, "class_shift", ctx, 63)
+    bits = parse_uint(params, "class_bits", ctx, MAX_CLASS_BITS)
+    n_escapes = parse_uint(params, "escapes", ctx, count)
+    lengths = [parse_uint(params, key, ctx, len(payload)) for key in
+               ("table_bytes", "position_bytes", "frequency_bytes", "value_bytes")]
+    bounds = np.cumsum([0, *lengths, n_escapes * ctx.itemsize])
+    if bounds[-1] != len(payload):
+        raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: section parts do not add up to its length")
+    parts = tuple(payload[bounds[i]:bounds[i + 1]] for i in range(5))
+    return count, shift, (1 << bits) - 1, n_escapes, parts
+
+
+def _decode_values(freq_bytes: bytes, rans_bytes: bytes, esc_bytes: bytes, count: int, n_escapes: int,
+                   ctx: SectionContext) -> np.ndarray:
+    """The zigzag-coded differences, in class-major order."""
+    reader = _Reader(freq_bytes, ctx, "frequency table")
+    freqs = np.zeros(256, np.int64)
+    last = -1
+    for _ in range(reader.varint(256)):
+        s = reader.byte()
+        if s <= last:
+            raise reader.fail("symbols out of order")
+        freqs[s] = reader.varint(entropy.PROB_SCALE)
+        last = s
+    reader.done()
+    if count and freqs.sum() != entropy.PROB_SCALE:
+        raise reader.fail("frequencies do not sum to the scale")
+    cums, slot_to_symbol = entropy.rans_tables(freqs)
+    symbols = np.empty(count, np.uint8)
+    if count and entropy.rans_decode(np.frombuffer(rans_bytes, np.uint8), freqs, cums, slot_to_symbol, symbols) != entropy.OK:
+        raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: value stream is damaged")
+    zigzag = symbols.astype(np.uint64)
+    escaped = symbols == entropy.ESCAPE
+    if int(escaped.sum()) != n_escapes:
+        raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: escape count mismatch")
+    zigzag[escaped] = np.frombuffer(esc_bytes, f"<u{ctx.itemsize}").astype(np.uint64)
+    return zigzag
