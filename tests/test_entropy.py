@@ -1,0 +1,120 @@
+"""The ctx-rans building blocks against plain-Python references, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pulsediff.codecs import entropy
+from pulsediff.kernels import cpu
+
+
+# -- references -------------------------------------------------------------------
+
+
+def rice_encode_ref(values, ks) -> bytes:
+    bits = []
+    for v, k in zip(values, ks):
+        v, k = int(v), int(k)
+        bits += [1] * (v >> k) + [0]
+        bits += [(v >> j) & 1 for j in range(k)]
+    out = bytearray((len(bits) + 7) // 8)
+    for i, b in enumerate(bits):
+        out[i >> 3] |= b << (i & 7)
+    return bytes(out)
+
+
+def rans_encode_ref(symbols, freqs) -> bytes:
+    cums = np.concatenate([[0], np.cumsum(freqs)[:-1]])
+    x, out = entropy.RANS_L, []
+    for s in reversed(list(symbols)):
+        f, c = int(freqs[s]), int(cums[s])
+        while x >= ((entropy.RANS_L >> entropy.PROB_BITS) << 8) * f:
+            out.append(x & 0xFF)
+            x >>= 8
+        x = (x // f << entropy.PROB_BITS) + x % f + c
+    out += [(x >> 0) & 0xFF, (x >> 8) & 0xFF, (x >> 16) & 0xFF, (x >> 24) & 0xFF]
+    return bytes(reversed(out))
+
+
+def class_ranks_ref(base, shift, mask, positions):
+    classes = (base.astype(np.int64) >> shift) & mask
+    return np.array([int((classes[:p] == classes[p]).sum()) for p in positions], np.int64)
+
+
+# -- tests ------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 12)), max_size=300))
+def test_rice_matches_reference_and_round_trips(pairs):
+    values = np.array([v for v, _ in pairs], np.uint64)
+    ks = np.array([k for _, k in pairs], np.int64)
+    groups = np.arange(len(pairs), dtype=np.int64)
+    expected = rice_encode_ref(values, ks)
+    buf = np.zeros(len(expected) + 16, np.uint8)
+    used = entropy.rice_encode(values, ks, groups, buf)
+    assert buf[:used].tobytes() == expected
+    out = np.empty(len(pairs), np.uint64)
+    status, consumed = entropy.rice_decode(np.frombuffer(expected, np.uint8), ks, groups, out)
+    assert status == entropy.OK and consumed == len(expected)
+    assert (out == values).all()
+
+
+def test_rice_decoder_refuses_truncation_and_long_runs():
+    out = np.empty(1, np.uint64)
+    ks, groups = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    assert entropy.rice_decode(np.full(4, 0xFF, np.uint8), ks, groups, out)[0] == entropy.TRUNCATED
+    ones = np.full((entropy.MAX_UNARY >> 3) + 2, 0xFF, np.uint8)
+    assert entropy.rice_decode(ones, ks, groups, out)[0] == entropy.TOO_LONG
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=2000), st.integers(0, 2**32 - 1))
+def test_rans_matches_reference_and_round_trips(alphabet_draw, seed):
+    rng = np.random.default_rng(seed)
+    symbols = np.array(alphabet_draw, np.uint8)
+    symbols = symbols[rng.permutation(symbols.size)]
+    freqs = entropy.quantise_frequencies(np.bincount(symbols, minlength=256))
+    assert freqs.sum() == entropy.PROB_SCALE and (freqs[np.unique(symbols)] >= 1).all()
+    cums, slots = entropy.rans_tables(freqs)
+    buf = np.empty(2 * symbols.size + 16, np.uint8)
+    start = entropy.rans_encode(symbols, freqs, cums, buf)
+    stream = buf[start:].tobytes()
+    assert stream == rans_encode_ref(symbols, freqs)
+    out = np.empty(symbols.size, np.uint8)
+    assert entropy.rans_decode(np.frombuffer(stream, np.uint8), freqs, cums, slots, out) == entropy.OK
+    assert (out == symbols).all()
+    assert entropy.rans_decode(np.frombuffer(stream[:-1], np.uint8), freqs, cums, slots, out) != entropy.OK
+
+
+@pytest.mark.parametrize("n", [1, 17, 1000, 200_003])
+@pytest.mark.parametrize("dtype,shift,bits", [(np.uint16, 7, 8), (np.uint32, 23, 8), (np.uint64, 52, 11), (np.uint8, 0, 0)])
+def test_class_ranks_and_apply_ranked_match_reference(n, dtype, shift, bits):
+    rng = np.random.default_rng(n)
+    info = np.iinfo(dtype)
+    base = rng.integers(0, info.max, n, dtype=dtype, endpoint=True)
+    mask = (1 << bits) - 1
+    positions = np.flatnonzero(rng.random(n) < 0.05).astype(np.int64)
+    if n <= 1000:  # the reference is quadratic
+        ranks, sizes = cpu.class_ranks(base, shift, mask, positions)
+        assert (ranks == class_ranks_ref(base, shift, mask, positions)).all()
+        assert (sizes == np.bincount((base.astype(np.int64) >> shift) & mask, minlength=mask + 1)).all()
+    ranks, _ = cpu.class_ranks(base, shift, mask, positions)
+    # rebuild: target = base + delta at positions, listed class-major as ctx-rans lists them
+    delta = rng.integers(-3, 4, positions.size).astype(np.int64)
+    zigzag = ((delta << 1) ^ (delta >> 63)).astype(np.uint64)
+    classes = (base[positions].astype(np.int64) >> shift) & mask
+    order = cpu.class_major_order(classes, mask + 1)
+    assert (order == np.argsort(classes, kind="stable")).all()
+    offsets = np.zeros(mask + 2, np.int64)
+    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
+    starts, _ = cpu.chunk_class_starts(base, shift, mask)
+    out = np.empty_like(base)
+    applied = cpu.apply_ranked(base, shift, mask, starts, offsets, ranks[order], zigzag[order], out)
+    expected = base.copy()
+    expected[positions] = (base[positions].astype(np.uint64) + delta.astype(np.uint64)).astype(dtype)
+    assert applied == positions.size
+    assert (out == expected).all()
