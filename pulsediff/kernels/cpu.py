@@ -236,14 +236,15 @@ def chunk_class_starts(base: np.ndarray, shift: int, mask: int) -> tuple[np.ndar
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _class_ranks(base, shift, mask, positions, starts, ranks):
+def _local_class_ranks(base, shift, mask, positions, nchunks, ranks, chunk_of):
+    # One pass: ranks counted from the chunk's start, and the chunk's histogram.
     n = base.size
-    nchunks = starts.shape[0]
     step = (n + nchunks - 1) // nchunks
+    hist = np.zeros((nchunks, mask + 1), np.int64)
     for c in prange(nchunks):
         lo = c * step
         hi = min(n, lo + step)
-        counter = starts[c].copy()
+        counter = hist[c]
         j = np.searchsorted(positions, lo)
         nxt = positions[j] if j < positions.size else n
         for i in range(lo, hi):
@@ -252,17 +253,28 @@ def _class_ranks(base, shift, mask, positions, starts, ranks):
             counter[cls] = r + 1
             if i == nxt:
                 ranks[j] = r
+                chunk_of[j] = c
                 j += 1
                 nxt = positions[j] if j < positions.size else n
+    return hist
 
 
 def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per changed position (ascending): its rank within its class. Also returns class sizes."""
-    starts, sizes = chunk_class_starts(base, shift, mask)
-    ranks = np.empty(positions.size, np.int64)
+    """Per changed position (ascending): its rank within its class. Also returns class sizes.
+
+    Ranks are counted from each chunk's start in the same pass that builds the
+    chunk histograms; adding the scanned histograms of earlier chunks makes them global.
+    """
+    nchunks = _num_chunks(base.size)
+    ranks = np.zeros(positions.size, np.int64)
+    chunk_of = np.zeros(positions.size, np.int64)
+    hist = _local_class_ranks(base, shift, mask, positions, nchunks, ranks, chunk_of)
+    starts = np.zeros_like(hist)
+    np.cumsum(hist[:-1], axis=0, out=starts[1:])
     if positions.size:
-        _class_ranks(base, shift, mask, positions, starts, ranks)
-    return ranks, sizes
+        classes = (base[positions].astype(np.int64) >> shift) & mask
+        ranks += starts[chunk_of, classes]
+    return ranks, hist.sum(axis=0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
