@@ -19,12 +19,13 @@ from typing import BinaryIO
 import numpy as np
 
 from .atomic import StagedFiles
-from .checkpoint import INDEX_NAME, Checkpoint, TensorView
+from .checkpoint import INDEX_NAME, Checkpoint, TensorView, open_checkpoint
 from .codecs import get_codec
 from .codecs.base import Scratch, SectionContext, zstd_decompress_exact
 from .digest import TensorId, checkpoint_digest, tensor_hash
 from .errors import (
     BaseMismatchError,
+    ChainError,
     CheckpointNotFoundError,
     CorruptPatchError,
     PulsediffError,
@@ -44,7 +45,8 @@ from .safetensors_io import HeaderError, parse_header
 class ApplyResult:
     status: str  # "applied" or "up-to-date"
     output: Path
-    header: PatchHeader
+    header: PatchHeader  # the last patch applied (its target is the output)
+    links_applied: int = 1
 
 
 def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, BinaryIO | None]:
@@ -78,7 +80,7 @@ def read_patch_header(patch: str | Path | BinaryIO) -> PatchHeader:
 
 
 def apply_patch(
-    base: str | Path,
+    base: str | Path | None,
     patch: str | Path | BinaryIO,
     out: str | Path | None = None,
     *,
@@ -86,38 +88,158 @@ def apply_patch(
     device: str | None = None,
     progress: Progress = SILENT,
 ) -> ApplyResult:
+    """Rebuild the target of `patch` from `base` (None: the empty checkpoint, for anchors)."""
+    return apply_chain(base, [patch], out, in_place=in_place, device=device, progress=progress)
+
+
+@dataclass
+class _Link:
+    reader: PatchReader
+    header: PatchHeader
+    records: dict[str, TensorRecord]
+
+
+def apply_chain(
+    base: str | Path | None,
+    patches: list,
+    out: str | Path | None = None,
+    *,
+    in_place: bool = False,
+    device: str | None = None,
+    progress: Progress = SILENT,
+) -> ApplyResult:
+    """Apply patches P1..Pn to `base` in one pass, tensor by tensor, with no intermediate checkpoints.
+
+    Every link is checked (Pk's base digest is Pk-1's target digest) before
+    anything is written. A base that already equals the target of some link
+    starts the chain there. One patch may come from a stream (stdin); a chain
+    of several needs seekable files.
+    """
+    if not patches:
+        raise UsageError("give at least one patch")
     if in_place == (out is not None):
         raise UsageError("give exactly one of an output path or in_place=True")
-    base = Path(base)
-    out_path = base if in_place else Path(out)
-    reader, header, owned = open_patch(patch)
+    if in_place and base is None:
+        raise UsageError("in_place needs a base checkpoint")
+    if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
+        raise UsageError("a chain of several patches must be files (stdin carries one patch)")
+    out_path = Path(base) if in_place else Path(out)
+    owned: list[BinaryIO] = []
     try:
-        with Checkpoint(base) as base_ckpt:
-            view = TensorView(base_ckpt, header.precision)
+        links = []
+        for p in patches:
+            reader, header, stream = open_patch(p)
+            if stream is not None:
+                owned.append(stream)
+            links.append(_Link(reader, header, {r.name: r for r in header.tensors}))
+        _check_links(links)
+        final = links[-1].header
+        with open_checkpoint(base) as base_ckpt:
+            view = TensorView(base_ckpt, final.precision)
             base_ids = tensor_ids(view, progress)
             digest = checkpoint_digest(base_ids.values())
-            if digest == header.target_digest:
-                if in_place or out_path.resolve() == base.resolve() or _already_target(out_path, header):
-                    return ApplyResult("up-to-date", out_path, header)
-            elif digest != header.base_digest:
-                raise _base_mismatch(header, base_ids, digest)
-            elif _already_target(out_path, header):
-                return ApplyResult("up-to-date", out_path, header)
-            backend = get_backend(device)
-            copy_all = digest == header.target_digest  # base is the target: only the layout may differ
-            scratch = Scratch()
-
-            def rebuild(rec: TensorRecord, payload: bytes | None) -> np.ndarray:
-                return _rebuild(rec, None if copy_all else payload, view, backend, reader.source, scratch)
-
-            _check_output_kind(header, out_path)
-            _write_target(header, reader, rebuild, out_path, progress)
+            base_is_out = base is not None and out_path.resolve() == Path(base).resolve()
+            if digest == final.target_digest:
+                if in_place or base_is_out or _already_target(out_path, final):
+                    return ApplyResult("up-to-date", out_path, final, 0)
+                links = []  # the base is the target: only the layout may differ
+            else:
+                later = [k for k, link in enumerate(links) if link.header.base_digest == digest]
+                if not later:
+                    raise _base_mismatch(links[0].header, base_ids, digest)
+                links = links[later[-1]:]
+                if _already_target(out_path, final):
+                    return ApplyResult("up-to-date", out_path, final, 0)
+            _check_output_kind(final, out_path)
+            if len(links) == 1 and len(patches) == 1:
+                _apply_streaming(links[0], view, get_backend(device), out_path, progress)
+            else:
+                _apply_random_access(links, view, final, patches, get_backend(device), out_path, progress)
             if in_place:
-                _remove_stale_files(base_ckpt, header)
+                _remove_stale_files(base_ckpt, final)
+        return ApplyResult("applied", out_path, final, len(links))
     finally:
-        if owned:
-            owned.close()
-    return ApplyResult("applied", out_path, header)
+        for stream in owned:
+            stream.close()
+
+
+def _check_links(links: list[_Link]) -> None:
+    for prev, link in zip(links, links[1:]):
+        if link.header.precision != prev.header.precision:
+            raise ChainError(f"{link.reader.source} is a {link.header.precision} patch but "
+                             f"{prev.reader.source} is {prev.header.precision}: they do not chain")
+        if link.header.base_digest != prev.header.target_digest:
+            raise ChainError(f"{link.reader.source} does not follow {prev.reader.source} "
+                             f"(its base is {link.header.base_digest}, the previous target {prev.header.target_digest})")
+
+
+def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress) -> None:
+    """One patch, read front to back (works on stdin): each section is decoded as it arrives."""
+    reader, header = link.reader, link.header
+    layout_blob = _read_layout(reader, header, sequential=True)
+    scratch = Scratch()
+
+    def target_bits(rec: TensorRecord) -> np.ndarray:
+        payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+        return _rebuild(rec, payload, view.get(rec.name).bits if rec.op != "full" else None, backend,
+                        reader.source, scratch)
+
+    def before_commit() -> None:
+        reader.expect_end(header.sections_length)
+
+    _write_target(header, layout_blob, target_bits, out_path, progress, reader.source, before_commit)
+
+
+def _apply_random_access(links: list[_Link], view: TensorView, final: PatchHeader, patches: list, backend,
+                         out_path: Path, progress: Progress) -> None:
+    """A chain: each target tensor is carried through every link in turn, in memory."""
+    final_link = next(link for link in links if link.header is final) if links else None
+    for link in links:
+        link.reader.check_size(link.header.sections_length)
+    if final_link is None:  # base equals the target: re-lay it out with the last patch's layout
+        reader, _, stream = open_patch(patches[-1])
+        try:
+            layout_blob = _read_layout(reader, final, sequential=False)
+        finally:
+            if stream:
+                stream.close()
+    else:
+        layout_blob = _read_layout(final_link.reader, final, sequential=False)
+    scratches = (Scratch(), Scratch())
+
+    def target_bits(rec: TensorRecord) -> np.ndarray:
+        return _carry_through(rec.name, links, view, backend, scratches)
+
+    _write_target(final, layout_blob, target_bits, out_path, progress, str(patches[-1]), lambda: None)
+
+
+def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scratches) -> np.ndarray:
+    """The tensor after the last link: from the last link that carries it whole, or from the base."""
+    start = len(links) - 1
+    while start >= 0:
+        rec = links[start].records.get(name)
+        if rec is None:
+            raise ChainError(f"{links[start].reader.source} lacks tensor {name!r} that a later patch builds on")
+        if rec.op == "full":
+            break
+        start -= 1
+    if start < 0:
+        if name not in view.ckpt:
+            raise ChainError(f"the base lacks tensor {name!r} that the chain builds on")
+        bits = view.get(name).bits
+        first = 0
+    else:
+        link = links[start]
+        rec = link.records[name]
+        bits = _rebuild(rec, link.reader.read_section(rec.section, f"tensor {name!r}"), None, backend,
+                        link.reader.source, scratches[start % 2])
+        first = start + 1
+    for k in range(first, len(links)):
+        link = links[k]
+        rec = link.records[name]
+        payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
+        bits = _rebuild(rec, payload, bits, backend, link.reader.source, scratches[k % 2])
+    return bits
 
 
 # -- base checks --------------------------------------------------------------
@@ -157,19 +279,30 @@ def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: s
 # -- rebuilding -----------------------------------------------------------------
 
 
-def _rebuild(rec: TensorRecord, payload: bytes | None, view: TensorView, backend, source: str,
+def _rebuild(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
              scratch: Scratch) -> np.ndarray:
-    """One target tensor's bits; `payload` None means: the base tensor as it is."""
+    """One target tensor's bits, checked against its recorded hash.
+
+    `payload` None means the target tensor is `base_bits` as they are (op
+    "same", or a base that already is the target).
+    """
     if payload is None:
-        bits = view.get(rec.name).bits
+        bits = base_bits
     else:
         codec = get_codec(rec.section.codec)
-        base_bits = view.get(rec.name).bits if rec.op == "patch" else None
+        if base_bits is not None and rec.op == "patch" and base_bits.size != rec.numel:
+            raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements, patch expects {rec.numel}")
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
-        bits = codec.decode(base_bits, payload, rec.section.params, ctx, backend, scratch)
+        bits = codec.decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
     if tensor_hash(bits) != rec.target_hash:
         raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
     return bits
+
+
+def _read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> bytes:
+    layout = header.layout
+    data = (reader.read_next if sequential else reader.read_section)(layout.section, "layout")
+    return zstd_decompress_exact(data, layout.blob_len, SectionContext("<layout>", layout.blob_len, 1, reader.source), "layout")
 
 
 def _check_output_kind(header: PatchHeader, out_path: Path) -> None:
@@ -179,12 +312,10 @@ def _check_output_kind(header: PatchHeader, out_path: Path) -> None:
         raise UsageError(f"{out_path} is a folder, but the patch rebuilds a single file")
 
 
-def _write_target(header: PatchHeader, reader: PatchReader, rebuild, out_path: Path, progress: Progress) -> None:
-    """Stream sections in header order into staged files; rename only once all is verified."""
+def _write_target(header: PatchHeader, blob: bytes, target_bits, out_path: Path, progress: Progress,
+                  source: str, before_commit) -> None:
+    """Write the target's files from staged temporaries; rename only once all is verified."""
     layout = header.layout
-    source = reader.source
-    blob = zstd_decompress_exact(reader.read_next(layout.section, "layout"), layout.blob_len,
-                                 SectionContext("<layout>", layout.blob_len, 1, source), "layout")
     progress.begin("apply", sum(r.nbytes for r in header.tensors), len(header.tensors))
     rebuilt: list[TensorId] = []
     pos = first = 0
@@ -198,8 +329,7 @@ def _write_target(header: PatchHeader, reader: PatchReader, rebuild, out_path: P
                 f.write(len(raw).to_bytes(8, "little"))
                 f.write(raw)
                 for rec in records:
-                    payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
-                    bits = rebuild(rec, payload)
+                    bits = target_bits(rec)
                     if bits.size:
                         f.write(memoryview(np.ascontiguousarray(bits)).cast("B"))
                     rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
@@ -207,7 +337,7 @@ def _write_target(header: PatchHeader, reader: PatchReader, rebuild, out_path: P
         if layout.index_len is not None:
             with staged.open(out_path / INDEX_NAME) as f:
                 f.write(blob[pos : pos + layout.index_len])
-        reader.expect_end(header.sections_length)
+        before_commit()
         if checkpoint_digest(rebuilt) != header.target_digest:
             raise TargetMismatchError(header.target_digest, checkpoint_digest(rebuilt))
         staged.commit()

@@ -172,6 +172,22 @@ class Checkpoint:
         self.close()
 
 
+class EmptyCheckpoint(Checkpoint):
+    """A checkpoint with no tensors: the base of an anchor, a patch that carries every tensor whole."""
+
+    def __init__(self) -> None:  # noqa: super().__init__ would look for a path
+        self.path = Path("<empty>")
+        self.shards = []
+        self.index_bytes = None
+        self._where = {}
+        self.kind = "file"
+
+
+def open_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
+    """`None` stands for the empty checkpoint."""
+    return EmptyCheckpoint() if path is None else Checkpoint(path)
+
+
 @dataclass(frozen=True)
 class TensorData:
     """One tensor as a precision mode sees it: its type, shape and bit patterns."""

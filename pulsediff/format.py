@@ -130,6 +130,16 @@ class PatchReader:
         self._pos = self.sections_start + ref.offset
         return self.read_next(ref, what)
 
+    def check_size(self, sections_length: int) -> None:
+        """For random access: the file must end right after the last section."""
+        import os
+
+        size = os.fstat(self.stream.fileno()).st_size
+        if size < self.sections_start + sections_length:
+            raise TruncatedPatchError(self.source, "ends before its last section")
+        if size > self.sections_start + sections_length:
+            raise CorruptPatchError(self.source, "unexpected bytes after the last section")
+
     def expect_end(self, sections_length: int) -> None:
         """The stream must end right after the last section: trailing bytes mean damage."""
         if self._pos != self.sections_start + sections_length:
