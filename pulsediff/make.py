@@ -18,7 +18,10 @@ from typing import BinaryIO
 
 from . import __version__
 from .atomic import StagedFiles
-from .checkpoint import Checkpoint, TensorView
+from dataclasses import dataclass
+from typing import Callable
+
+from .checkpoint import Checkpoint, TensorData, TensorView, open_checkpoint
 from .codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
 from .codecs.base import zstd_compress
 from .codecs.gap_zstd import gap_width
@@ -33,8 +36,27 @@ from .safetensors_io import build_header
 SPOOL_IN_MEMORY = 256 * 1024 * 1024
 
 
+@dataclass
+class TargetSource:
+    """The checkpoint a patch builds: its file layout and its tensors, in layout order."""
+
+    precision: str
+    kind: str
+    layout_blob: bytes
+    layout_files: list[LayoutFile]
+    index_len: int | None
+    entries: list[tuple[str, int]]  # (name, bytes as stored) in layout order, for progress
+    get: Callable[[str], TensorData]
+
+    @classmethod
+    def of_view(cls, new: TensorView) -> "TargetSource":
+        blob, files, index_len = _target_layout(new)
+        entries = [(e.name, e.nbytes) for shard in new.ckpt.shards for e in shard.header.tensors]
+        return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get)
+
+
 def make_patch(
-    old: str | Path,
+    old: str | Path | None,
     new: str | Path,
     out: str | Path | BinaryIO,
     *,
@@ -45,17 +67,29 @@ def make_patch(
 ) -> PatchHeader:
     """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
 
-    `out` is a path (written atomically), "-" for stdout, or a binary stream.
-    Returns the patch header.
+    `old` None makes an anchor: a patch from the empty checkpoint, every tensor
+    carried whole (compressed). `out` is a path (written atomically), "-" for
+    stdout, or a binary stream. Returns the patch header.
     """
+    _check_choices(codec, precision)
+    with Checkpoint(new) as new_ckpt:
+        return write_patch(old, TargetSource.of_view(TensorView(new_ckpt, precision)), out,
+                           codec=codec, device=device, progress=progress)
+
+
+def _check_choices(codec: str, precision: str) -> None:
     if codec not in SPARSE_CODECS:
         raise UsageError(f"unknown codec {codec!r}; choose one of {', '.join(SPARSE_CODECS)}")
     if precision not in ("exact", "bf16"):
         raise UsageError(f"unknown precision {precision!r}; choose exact or bf16")
+
+
+def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str, device: str | None,
+                progress: Progress) -> PatchHeader:
+    """Diff checkpoint `old` (None: empty) against `target` and write the patch to `out`."""
     backend = get_backend(device)
-    with Checkpoint(old) as old_ckpt, Checkpoint(new) as new_ckpt, \
-            tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
-        header = _diff(TensorView(old_ckpt, precision), TensorView(new_ckpt, precision), codec, backend, spool, progress)
+    with open_checkpoint(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
+        header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress)
         spool.seek(0)
         header_frame = encode_header(header.to_json())
         if isinstance(out, (str, Path)) and str(out) == "-":
@@ -77,10 +111,9 @@ def _emit(f: BinaryIO, header_frame: bytes, spool) -> None:
     shutil.copyfileobj(spool, f, 1 << 22)
 
 
-def _diff(old: TensorView, new: TensorView, codec_id: str, backend, spool, progress: Progress) -> PatchHeader:
+def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, progress: Progress) -> PatchHeader:
     sparse = get_codec(codec_id)
     full = get_codec("full-zstd")
-    new_ckpt = new.ckpt
     offset = 0
 
     def write_section(parts, codec, params) -> SectionRef:
@@ -91,46 +124,43 @@ def _diff(old: TensorView, new: TensorView, codec_id: str, backend, spool, progr
         offset += len(data)
         return ref
 
-    layout_blob, layout_files, index_len = _target_layout(new)
-    layout_ref = write_section((zstd_compress(layout_blob),), LAYOUT_CODEC, {})
-
-    total = sum(e.nbytes for e in (new_ckpt.entry(n) for n in new_ckpt.names))
-    total += sum(e.nbytes for e in (old.ckpt.entry(n) for n in old.ckpt.names))
-    progress.begin("make", total, len(new_ckpt.names) + len(old.ckpt.names))
+    layout_ref = write_section((zstd_compress(target.layout_blob),), LAYOUT_CODEC, {})
+    target_names = {name for name, _ in target.entries}
+    total = sum(n for _, n in target.entries) + sum(old.ckpt.entry(n).nbytes for n in old.ckpt.names)
+    progress.begin("make", total, len(target.entries) + len(old.ckpt.names))
 
     records: list[TensorRecord] = []
     base_ids: list[TensorId] = []
-    for shard in new_ckpt.shards:
-        for entry in shard.header.tensors:
-            tgt = new.get(entry.name)
-            tgt_hash = tensor_hash(tgt.bits)
-            base = None
-            if entry.name in old.ckpt:
-                base = old.get(entry.name)
-                base_hash = tensor_hash(base.bits)
-                base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
-                progress.advance(old.ckpt.entry(entry.name).nbytes)
-                if base.dtype is not tgt.dtype or base.shape != tgt.shape:
-                    base = None
-            if base is None:
-                enc = full.encode(None, tgt.bits, None, None)
-                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
-                                      section=write_section(enc.parts, full.id, enc.params))
-            elif base_hash == tgt_hash:
-                # XXH3-128 equality stands for bit equality, as it does for the digests.
-                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash)
-            else:
-                positions, values = backend.diff_compact(base.bits, tgt.bits)
-                sparse_cost = positions.size * (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
-                codec, op = (sparse, "patch") if sparse_cost < tgt.bits.nbytes else (full, "full")
-                enc = codec.encode(base.bits, tgt.bits, positions, values, dtype=tgt.dtype)
-                record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, positions.size, tgt_hash,
-                                      base_hash if op == "patch" else None,
-                                      write_section(enc.parts, codec.id, enc.params))
-            records.append(record)
-            progress.advance(entry.nbytes)
+    for name, stored_bytes in target.entries:
+        tgt = target.get(name)
+        tgt_hash = tensor_hash(tgt.bits)
+        base = None
+        if name in old.ckpt:
+            base = old.get(name)
+            base_hash = tensor_hash(base.bits)
+            base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
+            progress.advance(old.ckpt.entry(name).nbytes)
+            if base.dtype is not tgt.dtype or base.shape != tgt.shape:
+                base = None
+        if base is None:
+            enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
+                                  section=write_section(enc.parts, full.id, enc.params))
+        elif base_hash == tgt_hash:
+            # XXH3-128 equality stands for bit equality, as it does for the digests.
+            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash)
+        else:
+            positions, values = backend.diff_compact(base.bits, tgt.bits)
+            sparse_cost = positions.size * (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+            codec, op = (sparse, "patch") if sparse_cost < tgt.bits.nbytes else (full, "full")
+            enc = codec.encode(base.bits, tgt.bits, positions, values, dtype=tgt.dtype)
+            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, positions.size, tgt_hash,
+                                  base_hash if op == "patch" else None,
+                                  write_section(enc.parts, codec.id, enc.params))
+        records.append(record)
+        progress.advance(stored_bytes)
 
-    removed = [n for n in old.ckpt.names if n not in new_ckpt]
+    removed = [n for n in old.ckpt.names if n not in target_names]
     for name in removed:
         base = old.get(name)
         base_ids.append(TensorId(name, base.dtype.name, base.shape, tensor_hash(base.bits)))
@@ -138,15 +168,16 @@ def _diff(old: TensorView, new: TensorView, codec_id: str, backend, spool, progr
     progress.end()
 
     target_ids = [TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in records]
-    target_bytes = sum(8 + f.header_len for f in layout_files) + sum(r.nbytes for r in records) + (index_len or 0)
+    target_bytes = sum(8 + f.header_len for f in target.layout_files) + sum(r.nbytes for r in records)
+    target_bytes += target.index_len or 0
     return PatchHeader(
         tool=f"pulsediff {__version__}",
-        precision=new.precision,
+        precision=target.precision,
         base_digest=checkpoint_digest(base_ids),
         target_digest=checkpoint_digest(target_ids),
         base_tensors=len(base_ids),
         target_bytes=target_bytes,
-        layout=Layout(new_ckpt.kind, tuple(layout_files), index_len, layout_ref),
+        layout=Layout(target.kind, tuple(target.layout_files), target.index_len, layout_ref),
         tensors=tuple(records),
         removed=tuple(sorted(removed)),
     )
