@@ -71,6 +71,19 @@ def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, 
     return reader, header, owned
 
 
+def verify_patch_file(patch: str | Path) -> PatchHeader:
+    """Read a whole patch file and check every checksum and its length; decode nothing."""
+    reader, header, owned = open_patch(patch)
+    try:
+        for ref in header.section_refs():
+            reader.read_next(ref, "section")
+        reader.expect_end(header.sections_length)
+        return header
+    finally:
+        if owned:
+            owned.close()
+
+
 def read_patch_header(patch: str | Path | BinaryIO) -> PatchHeader:
     """The validated header of a patch (sections are not read)."""
     _, header, owned = open_patch(patch)

@@ -13,7 +13,7 @@ import sys
 import typer
 
 from ..errors import PulsediffError
-from . import apply_cmd, demo_cmd, digest_cmd, make_cmd, squash_cmd, stats_cmd
+from . import apply_cmd, demo_cmd, digest_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
 
 app = typer.Typer(
     name="pulsediff",
@@ -26,6 +26,8 @@ app = typer.Typer(
 app.command("make", no_args_is_help=True)(make_cmd.make)
 app.command("apply", no_args_is_help=True)(apply_cmd.apply)
 app.command("squash", no_args_is_help=True)(squash_cmd.squash)
+app.command("publish", no_args_is_help=True)(series_cmds.publish)
+app.command("catch-up", no_args_is_help=True)(series_cmds.catch_up)
 app.command("stats", no_args_is_help=True)(stats_cmd.stats)
 app.command("digest", no_args_is_help=True)(digest_cmd.digest)
 app.command("demo")(demo_cmd.demo)

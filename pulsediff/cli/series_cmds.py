@@ -1,0 +1,63 @@
+"""`pulsediff publish` and `pulsediff catch-up`: checkpoint series in shell pipelines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .options import DEFAULT_CODEC, Codec, Device, Precision, Quiet
+from .output import Output
+
+
+def publish(
+    train_dir: Annotated[Path, typer.Argument(help="Folder where the trainer writes checkpoints (step number in each name).")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder to fill with patches, anchors and manifest.json (rsync it).")],
+    anchor_every: Annotated[int, typer.Option("--anchor-every", help="Write a full anchor every N steps.")] = 10,
+    keep: Annotated[Optional[int], typer.Option("--keep", help="Keep only the newest K anchors and what follows them.")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear.")] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
+    idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many seconds with no new checkpoint.")] = None,
+    pattern: Annotated[str, typer.Option("--step-pattern", help="Regex whose first group is the step number in a name.")] = r"(\d+)",
+    precision: Precision = "exact",
+    codec: Codec = DEFAULT_CODEC,
+    device: Device = "auto",
+    quiet: Quiet = False,
+) -> None:
+    """Turn a trainer's checkpoints into patches and anchors that workers can rsync."""
+    from ..series import publish as run
+
+    out = Output(quiet=quiet)
+
+    def said(report) -> None:
+        out.info(f"published {report.patches} patches and {report.anchors} anchors into {out_dir}")
+
+    total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
+                anchor_every=anchor_every, keep=keep, precision=precision, codec=codec, device=device, pattern=pattern)
+    if total.pruned:
+        out.info(f"pruned {total.pruned} files older than the newest {keep} anchors")
+    if not (total.patches or total.anchors):
+        out.info(f"{out_dir} is up to date with {train_dir}")
+
+
+def catch_up(
+    checkpoint: Annotated[Path, typer.Argument(help="The worker's checkpoint (need not exist yet).")],
+    patch_dir: Annotated[Path, typer.Argument(help="A folder written by `pulsediff publish` (or an rsync copy of it).")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of updating CHECKPOINT in place.")] = None,
+    device: Device = "auto",
+    quiet: Quiet = False,
+) -> None:
+    """Bring a checkpoint to the newest published step by the cheapest intact chain."""
+    from ..series import catch_up as run
+
+    out = Output(quiet=quiet)
+    result = run(checkpoint, patch_dir, output, device=device, progress=out.progress())
+    if result.status == "up-to-date":
+        out.info(f"{result.output} is already at step {result.step}")
+        return
+    start = "an anchor" if result.from_anchor else str(checkpoint)
+    out.info(f"{result.output} is now at step {result.step}: applied {len(result.files)} files from {start} "
+             f"({', '.join(result.files)})")
+    if result.skipped:
+        out.info(f"skipped missing or damaged: {', '.join(result.skipped)}")

@@ -1,0 +1,281 @@
+"""Checkpoint series: publishing patches and anchors, and catching up from them.
+
+A trainer's folder holds one checkpoint per step (a file or a sharded folder,
+the step number in its name). `publish` turns it into a patch folder:
+
+    anchor-00000010.pulsediff        a patch from the empty checkpoint: every tensor, compressed
+    patch-00000010-00000011.pulsediff
+    manifest.json                    every file with its step, base and target digests and size
+
+Every file appears atomically (written under a temporary name, then renamed),
+and the manifest is replaced last, so an rsync running at any moment copies
+either the old state or the new one, never half a file. `catch_up` reads the
+manifest, finds the cheapest path (in bytes) from a worker's checkpoint (or
+from nothing, through an anchor) to the newest step, checks every file on it
+and applies it as one chain; a missing or damaged file is dropped from the
+graph and another path tried, so the result is the newest checkpoint or an
+error, never a wrong checkpoint.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .atomic import StagedFiles
+from .checkpoint import Checkpoint
+from .digest import checkpoint_digest, is_digest
+from .errors import CheckpointNotFoundError, InvalidCheckpointError, PulsediffError, UsageError
+from .progress import SILENT, Progress
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+EMPTY_DIGEST = checkpoint_digest([])
+DEFAULT_STEP_PATTERN = r"(\d+)"
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str  # "patch" or "anchor"
+    file: str
+    step: int  # the target's step
+    from_step: int | None  # the base's step (None for an anchor)
+    base: str  # base digest (the empty checkpoint's for an anchor)
+    target: str
+    bytes: int
+
+
+@dataclass
+class Manifest:
+    precision: str
+    entries: list[Entry]
+
+    def to_json(self) -> dict:
+        return {"version": MANIFEST_VERSION, "precision": self.precision, "entries": [asdict(e) for e in self.entries]}
+
+    @classmethod
+    def load(cls, folder: Path) -> "Manifest | None":
+        path = folder / MANIFEST
+        if not path.is_file():
+            return None
+        try:
+            obj = json.loads(path.read_text())
+            if obj.get("version") != MANIFEST_VERSION:
+                raise ValueError(f"manifest version {obj.get('version')!r} is not supported")
+            entries = [Entry(**e) for e in obj["entries"]]
+            for e in entries:
+                if e.kind not in ("patch", "anchor") or not (is_digest(e.base) and is_digest(e.target)) \
+                        or "/" in e.file or e.file.startswith("."):
+                    raise ValueError(f"bad entry for {e.file!r}")
+            return cls(obj["precision"], entries)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidCheckpointError(str(path), f"not a valid pulsediff manifest ({exc})") from None
+
+    def save(self, folder: Path) -> None:
+        with StagedFiles() as staged:
+            with staged.open(folder / MANIFEST) as f:
+                f.write((json.dumps(self.to_json(), indent=1) + "\n").encode())
+            staged.commit()
+
+    @property
+    def newest(self) -> Entry | None:
+        return max(self.entries, key=lambda e: (e.step, e.kind == "patch"), default=None)
+
+
+# -- publishing ------------------------------------------------------------------
+
+
+def find_checkpoints(train_dir: Path, pattern: str = DEFAULT_STEP_PATTERN) -> list[tuple[int, Path]]:
+    """Complete checkpoints in `train_dir`, by step. One still being written does not parse yet."""
+    regex = re.compile(pattern)
+    found: dict[int, Path] = {}
+    for path in sorted(train_dir.iterdir()):
+        if path.name.startswith("."):
+            continue
+        if not (path.is_dir() or path.suffix == ".safetensors"):
+            continue
+        match = regex.search(path.name.removesuffix(".safetensors"))
+        if not match:
+            continue
+        step = int(match.group(1))
+        try:
+            Checkpoint(path).close()  # complete? (header parses, sizes add up, shards present)
+        except PulsediffError:
+            continue
+        if step in found:
+            raise UsageError(f"two checkpoints for step {step}: {found[step].name} and {path.name}")
+        found[step] = path
+    return sorted(found.items())
+
+
+@dataclass
+class PublishReport:
+    patches: int = 0
+    anchors: int = 0
+    pruned: int = 0
+
+
+def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep: int | None = None,
+                 precision: str = "exact", codec: str | None = None, device: str | None = None,
+                 pattern: str = DEFAULT_STEP_PATTERN, progress: Progress = SILENT) -> PublishReport:
+    """Publish every checkpoint newer than the manifest's newest step."""
+    from .make import make_patch
+
+    if anchor_every < 1:
+        raise UsageError("--anchor-every must be at least 1")
+    if not train_dir.is_dir():
+        raise CheckpointNotFoundError(str(train_dir), "training folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest.load(out_dir) or Manifest(precision, [])
+    if manifest.precision != precision:
+        raise UsageError(f"{out_dir} holds {manifest.precision} patches; publish with --precision {manifest.precision}")
+    kwargs = {"precision": precision, "device": device, "progress": progress}
+    if codec:
+        kwargs["codec"] = codec
+    report = PublishReport()
+    checkpoints = find_checkpoints(train_dir, pattern)
+    newest = manifest.newest
+    last_step = newest.step if newest else None
+    prev = dict(checkpoints).get(last_step) if last_step is not None else None
+    published = len({e.step for e in manifest.entries})  # steps published so far; every anchor_every-th gets an anchor
+    for step, path in checkpoints:
+        if last_step is not None and step <= last_step:
+            continue
+        new_entries = []
+        if prev is not None:
+            name = f"patch-{last_step:08d}-{step:08d}.pulsediff"
+            header = make_patch(prev, path, out_dir / name, **kwargs)
+            new_entries.append(Entry("patch", name, step, last_step, header.base_digest, header.target_digest,
+                                     (out_dir / name).stat().st_size))
+            report.patches += 1
+        # An anchor every anchor_every steps, and whenever there is nothing to diff against
+        # (the first step, or the previous checkpoint is gone from the training folder).
+        if prev is None or published % anchor_every == 0:
+            name = f"anchor-{step:08d}.pulsediff"
+            header = make_patch(None, path, out_dir / name, **kwargs)
+            new_entries.append(Entry("anchor", name, step, None, header.base_digest, header.target_digest,
+                                     (out_dir / name).stat().st_size))
+            report.anchors += 1
+        manifest.entries.extend(new_entries)
+        manifest.save(out_dir)  # last: the files it names are already in place
+        published += 1
+        prev, last_step = path, step
+    if keep is not None:
+        report.pruned = _prune(manifest, out_dir, keep)
+    return report
+
+
+def _prune(manifest: Manifest, out_dir: Path, keep: int) -> int:
+    """Keep the newest `keep` anchors and everything after the oldest of them."""
+    if keep < 1:
+        raise UsageError("--keep must be at least 1")
+    anchors = sorted((e for e in manifest.entries if e.kind == "anchor"), key=lambda e: e.step)
+    if len(anchors) <= keep:
+        return 0
+    oldest_kept = anchors[-keep].step
+    drop = [e for e in manifest.entries if e.step < oldest_kept or (e.kind == "patch" and e.step == oldest_kept)]
+    manifest.entries = [e for e in manifest.entries if e not in drop]
+    manifest.save(out_dir)  # first the manifest stops naming them, then they go
+    for e in drop:
+        (out_dir / e.file).unlink(missing_ok=True)
+    return len(drop)
+
+
+def publish(train_dir: Path, out_dir: Path, *, watch: bool = False, interval: float = 2.0,
+            idle_exit: float | None = None, on_report=None, **kwargs) -> PublishReport:
+    """`publish_once`, and with `watch` again every `interval` s until idle for `idle_exit` s."""
+    total = PublishReport()
+    last_change = time.monotonic()
+    while True:
+        report = publish_once(train_dir, out_dir, **kwargs)
+        for field in ("patches", "anchors", "pruned"):
+            setattr(total, field, getattr(total, field) + getattr(report, field))
+        if report.patches or report.anchors:
+            last_change = time.monotonic()
+            if on_report:
+                on_report(report)
+        if not watch or (idle_exit is not None and time.monotonic() - last_change >= idle_exit):
+            return total
+        time.sleep(interval)
+
+
+# -- catching up -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CatchUpResult:
+    status: str  # "up-to-date" or "applied"
+    output: Path
+    step: int
+    files: list[str]  # the chain applied, in order
+    from_anchor: bool
+    skipped: list[str]  # files found missing or damaged on the way
+
+
+def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, device: str | None = None,
+             progress: Progress = SILENT) -> CatchUpResult:
+    from .apply import apply_chain, verify_patch_file
+    from .inspect import checkpoint_digest_of
+
+    manifest = Manifest.load(patch_dir)
+    if manifest is None or not manifest.entries:
+        raise CheckpointNotFoundError(str(patch_dir / MANIFEST), "manifest")
+    newest = manifest.newest
+    out_path = out or checkpoint
+    have = checkpoint_digest_of(checkpoint, manifest.precision) if checkpoint.exists() else None
+    if have == newest.target:
+        if out is not None and out != checkpoint and not out.exists():
+            apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress)
+        return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
+    bad: set[str] = set()
+    while True:
+        path = _cheapest_path(manifest.entries, have, newest.target, bad)
+        if path is None:
+            raise PulsediffError(
+                f"cannot reach step {newest.step} from {checkpoint}: no intact chain in {patch_dir}"
+                + (f" (missing or damaged: {', '.join(sorted(bad))})" if bad else ""))
+        damaged = [e.file for e in path if not _intact(patch_dir / e.file, verify_patch_file)]
+        if damaged:
+            bad.update(damaged)
+            continue
+        from_anchor = path[0].kind == "anchor"
+        files = [patch_dir / e.file for e in path]
+        apply_chain(None if from_anchor else checkpoint, files, out_path, device=device, progress=progress)
+        return CatchUpResult("applied", out_path, newest.step, [e.file for e in path], from_anchor, sorted(bad))
+
+
+def _intact(path: Path, verify) -> bool:
+    try:
+        verify(path)
+        return True
+    except PulsediffError:
+        return False
+
+
+def _cheapest_path(entries: list[Entry], have: str | None, goal: str, bad: set[str]) -> list[Entry] | None:
+    """Dijkstra over digests, edges weighted by file size, from the checkpoint's digest or the empty one."""
+    edges: dict[str, list[Entry]] = {}
+    for e in entries:
+        if e.file not in bad:
+            edges.setdefault(e.base, []).append(e)
+    starts = {EMPTY_DIGEST} | ({have} if have else set())
+    queue = [(0, i, d) for i, d in enumerate(sorted(starts))]
+    best: dict[str, tuple[int, list[Entry]]] = {d: (0, []) for d in starts}
+    counter = len(queue)
+    while queue:
+        cost, _, node = heapq.heappop(queue)
+        if node == goal:
+            return best[node][1]
+        if cost > best[node][0]:
+            continue
+        for e in edges.get(node, []):
+            new_cost = cost + e.bytes
+            if e.target not in best or new_cost < best[e.target][0]:
+                best[e.target] = (new_cost, best[node][1] + [e])
+                counter += 1
+                heapq.heappush(queue, (new_cost, counter, e.target))
+    return None
