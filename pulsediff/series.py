@@ -187,9 +187,14 @@ def _prune(manifest: Manifest, out_dir: Path, keep: int) -> int:
 
 def publish(train_dir: Path, out_dir: Path, *, watch: bool = False, interval: float = 2.0,
             idle_exit: float | None = None, on_report=None, **kwargs) -> PublishReport:
-    """`publish_once`, and with `watch` again every `interval` s until idle for `idle_exit` s."""
+    """`publish_once`, and with `watch` again every `interval` s.
+
+    `idle_exit` stops the watch that many seconds after the last new
+    checkpoint; the clock starts once something has been published, so a
+    publisher started before its trainer waits for the first checkpoint.
+    """
     total = PublishReport()
-    last_change = time.monotonic()
+    last_change = time.monotonic() if Manifest.load(out_dir) else None
     while True:
         report = publish_once(train_dir, out_dir, **kwargs)
         for field in ("patches", "anchors", "pruned"):
@@ -198,7 +203,8 @@ def publish(train_dir: Path, out_dir: Path, *, watch: bool = False, interval: fl
             last_change = time.monotonic()
             if on_report:
                 on_report(report)
-        if not watch or (idle_exit is not None and time.monotonic() - last_change >= idle_exit):
+        idle = last_change is not None and idle_exit is not None and time.monotonic() - last_change >= idle_exit
+        if not watch or idle:
             return total
         time.sleep(interval)
 
@@ -208,7 +214,7 @@ def publish(train_dir: Path, out_dir: Path, *, watch: bool = False, interval: fl
 
 @dataclass(frozen=True)
 class CatchUpResult:
-    status: str  # "up-to-date" or "applied"
+    status: str  # "up-to-date", "applied", or "partial" (the newest step is unreachable; `step` is how far it got)
     output: Path
     step: int
     files: list[str]  # the chain applied, in order
@@ -231,21 +237,28 @@ def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, devi
         if out is not None and out != checkpoint and not out.exists():
             apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress)
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
+    have_step = max((e.step for e in manifest.entries if e.target == have), default=-1)
+    # Targets to aim for, newest first: when the newest cannot be reached (its only
+    # patch is damaged, say), the newest reachable step is still progress.
+    goals = sorted({(e.step, e.target) for e in manifest.entries if e.step > have_step}, reverse=True)
     bad: set[str] = set()
-    while True:
-        path = _cheapest_path(manifest.entries, have, newest.target, bad)
-        if path is None:
-            raise PulsediffError(
-                f"cannot reach step {newest.step} from {checkpoint}: no intact chain in {patch_dir}"
-                + (f" (missing or damaged: {', '.join(sorted(bad))})" if bad else ""))
-        damaged = [e.file for e in path if not _intact(patch_dir / e.file, verify_patch_file)]
-        if damaged:
-            bad.update(damaged)
-            continue
-        from_anchor = path[0].kind == "anchor"
-        files = [patch_dir / e.file for e in path]
-        apply_chain(None if from_anchor else checkpoint, files, out_path, device=device, progress=progress)
-        return CatchUpResult("applied", out_path, newest.step, [e.file for e in path], from_anchor, sorted(bad))
+    for step, goal in goals:
+        while True:
+            path = _cheapest_path(manifest.entries, have, goal, bad)
+            if path is None:
+                break
+            damaged = [e.file for e in path if not _intact(patch_dir / e.file, verify_patch_file)]
+            if damaged:
+                bad.update(damaged)
+                continue
+            from_anchor = path[0].kind == "anchor"
+            files = [patch_dir / e.file for e in path]
+            apply_chain(None if from_anchor else checkpoint, files, out_path, device=device, progress=progress)
+            status = "applied" if step == newest.step else "partial"
+            return CatchUpResult(status, out_path, step, [e.file for e in path], from_anchor, sorted(bad))
+    raise PulsediffError(
+        f"cannot reach any newer step from {checkpoint}: no intact chain in {patch_dir}"
+        + (f" (missing or damaged: {', '.join(sorted(bad))})" if bad else ""))
 
 
 def _intact(path: Path, verify) -> bool:

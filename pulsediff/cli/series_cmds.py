@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import PulsediffError
 from .options import DEFAULT_CODEC, Codec, Device, Precision, Quiet
 from .output import Output
 
@@ -61,3 +62,5 @@ def catch_up(
              f"({', '.join(result.files)})")
     if result.skipped:
         out.info(f"skipped missing or damaged: {', '.join(result.skipped)}")
+    if result.status == "partial":
+        raise PulsediffError(f"stopped at step {result.step}: the newest step cannot be reached from intact files")
