@@ -31,7 +31,19 @@ TRAINER = textwrap.dedent("""
     from safetensors.torch import save_file
     out = Path(sys.argv[1]); steps = int(sys.argv[2])
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 256))
+    class Tiny(torch.nn.Module):  # named like a transformer, so stats can sort layers by type
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(256, 64)
+            self.q_proj = torch.nn.Linear(64, 64)
+            self.up_proj = torch.nn.Linear(64, 64)
+            self.norm = torch.nn.LayerNorm(64)
+            self.lm_head = torch.nn.Linear(64, 256)
+        def forward(self, t):
+            x = self.embed_tokens(t)
+            x = x + torch.tanh(self.q_proj(x))
+            return self.lm_head(self.norm(x + torch.relu(self.up_proj(x))))
+    model = Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, 256, (64, 16))
     def loss():
@@ -166,3 +178,21 @@ def test_keep_prunes_old_chains_but_keeps_what_the_newest_anchor_needs(pipeline,
     assert catch_up(worker, out).returncode == 0
     assert worker.read_bytes() == (train / f"step_{STEPS:06d}.safetensors").read_bytes()
     assert json.loads((out / "manifest.json").read_text())["version"] == 1
+
+
+def test_series_stats_and_plot(pipeline, tmp_path):
+    _, train, _, _, _ = pipeline
+    png = tmp_path / "series.png"
+    proc = subprocess.run([*PULSEDIFF, "stats", str(train), "--json", "--plot", str(png)], capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    s = json.loads(proc.stdout)
+    assert s["steps"] == list(range(STEPS + 1))
+    assert [d["k"] for d in s["k_step_density"]] == [1, 2, 4]
+    pair = json.loads(subprocess.run([*PULSEDIFF, "stats", str(train / "step_000002.safetensors"),
+                                      str(train / "step_000003.safetensors"), "--json"], capture_output=True).stdout)
+    assert s["step_density"][2]["changed"] == pair["changed"]
+    densities = [d["density"] for d in s["k_step_density"]]
+    assert 0 < densities[0] <= densities[1] <= densities[2] < 1  # further apart, more changed
+    assert set(s["layer_density"]) <= {"attention", "mlp", "embeddings", "norms", "other"}
+    assert {"attention", "mlp", "embeddings", "norms"} <= set(s["layer_density"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

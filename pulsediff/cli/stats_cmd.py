@@ -7,22 +7,29 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import UsageError
 from .options import DEFAULT_CODEC, Codec, Device, Json, Precision
 from .output import Output, human_bytes
 
 
 def stats(
-    first: Annotated[Path, typer.Argument(metavar="PATCH | OLD", help="A patch, or the base checkpoint of a pair.")],
+    first: Annotated[Path, typer.Argument(metavar="PATCH | OLD | DIR",
+                                          help="A patch, the base checkpoint of a pair, or a folder of checkpoints (a series).")],
     second: Annotated[Optional[Path], typer.Argument(metavar="[NEW]", help="The target checkpoint, when FIRST is a base.")] = None,
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
     top: Annotated[int, typer.Option("--top", help="Tensors to list, largest patch share first (0: all).")] = 20,
     device: Device = "auto",
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="For a series: draw density per step and the k-step curve into this PNG (needs matplotlib).")] = None,
     as_json: Json = False,
 ) -> None:
-    """Sparsity and size statistics of a patch, or of the patch a checkpoint pair would make."""
+    """Sparsity and size statistics of a patch, of the patch a checkpoint pair would make, or of a series."""
     from ..stats import stats_of_pair, stats_of_patch_file
 
+    if second is None and first.is_dir():
+        return _series(first, precision, device, plot, as_json)
+    if plot is not None:
+        raise UsageError("--plot is for a folder of checkpoints (a series)")
     if second is None:
         s = stats_of_patch_file(first)
     else:
@@ -68,3 +75,25 @@ def stats(
           f"{8 * t.bytes / t.changed:.2f}" if t.changed else "-") for t in rows],
         right=(4, 5, 6, 7, 8),
     )
+
+
+def _series(folder: Path, precision: str, device: str, plot: Optional[Path], as_json: bool) -> None:
+    from ..series_stats import series_stats
+
+    s = series_stats(folder, precision=precision, device=device)
+    out = Output(as_json=as_json)
+    if plot is not None:
+        from ..series_stats import plot_series
+
+        plot_series(s, plot)
+        out.info(f"wrote {plot}")
+    if as_json:
+        out.json(s.to_json())
+        return
+    out.table(f"density per step ({len(s.steps)} checkpoints, {precision})", ["step", "changed", "of", "density"],
+              [(f"{d['from']} -> {d['to']}", f"{d['changed']:,}", f"{d['total']:,}", f"{100 * d['density']:.4f}%")
+               for d in s.step_density], right=(1, 2, 3))
+    out.table("k-step density (t against t+k)", ["k", "pairs", "density"],
+              [(d["k"], d["pairs"], f"{100 * d['density']:.4f}%") for d in s.k_step_density], right=(0, 1, 2))
+    out.table("density by layer type", ["layer type", "density"],
+              [(k, f"{100 * v:.4f}%") for k, v in s.layer_density.items()], right=(1,))
