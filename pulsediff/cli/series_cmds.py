@@ -58,7 +58,8 @@ def catch_up(
         out.info(f"{result.output} is already at step {result.step}")
         return
     start = "an anchor" if result.from_anchor else str(checkpoint)
-    out.info(f"{result.output} is now at step {result.step}: applied {len(result.files)} files from {start} "
+    n = len(result.files)
+    out.info(f"{result.output} is now at step {result.step}: applied {n} file{'s' if n != 1 else ''} from {start} "
              f"({', '.join(result.files)})")
     if result.skipped:
         out.info(f"skipped missing or damaged: {', '.join(result.skipped)}")
