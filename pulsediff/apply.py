@@ -146,7 +146,8 @@ def apply_chain(
                 owned.append(stream)
             links.append(_Link(reader, header, {r.name: r for r in header.tensors}))
         _check_links(links)
-        final = links[-1].header
+        first_link, final_link = links[0], links[-1]
+        final = final_link.header
         with open_checkpoint(base) as base_ckpt:
             view = TensorView(base_ckpt, final.precision)
             base_ids = tensor_ids(view, progress)
@@ -164,10 +165,10 @@ def apply_chain(
                 if _already_target(out_path, final):
                     return ApplyResult("up-to-date", out_path, final, 0)
             _check_output_kind(final, out_path)
-            if len(links) == 1 and len(patches) == 1:
-                _apply_streaming(links[0], view, get_backend(device), out_path, progress)
+            if len(patches) == 1:  # one patch, maybe on stdin: read it front to back
+                _apply_streaming(first_link, view, get_backend(device), out_path, progress, copy_all=not links)
             else:
-                _apply_random_access(links, view, final, patches, get_backend(device), out_path, progress)
+                _apply_random_access(links, final_link, view, get_backend(device), out_path, progress)
             if in_place:
                 _remove_stale_files(base_ckpt, final)
         return ApplyResult("applied", out_path, final, len(links))
@@ -186,14 +187,21 @@ def _check_links(links: list[_Link]) -> None:
                              f"(its base is {link.header.base_digest}, the previous target {prev.header.target_digest})")
 
 
-def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress) -> None:
-    """One patch, read front to back (works on stdin): each section is decoded as it arrives."""
+def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress,
+                     copy_all: bool = False) -> None:
+    """One patch, read front to back (works on stdin): each section is decoded as it arrives.
+
+    `copy_all`: the base already is the target, so every tensor comes from it
+    (the sections are still read, to check the stream, but not decoded).
+    """
     reader, header = link.reader, link.header
     layout_blob = _read_layout(reader, header, sequential=True)
     scratch = Scratch()
 
     def target_bits(rec: TensorRecord) -> np.ndarray:
         payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+        if copy_all:
+            return _rebuild(rec, None, view.get(rec.name).bits, backend, reader.source, scratch)
         return _rebuild(rec, payload, view.get(rec.name).bits if rec.op != "full" else None, backend,
                         reader.source, scratch)
 
@@ -203,27 +211,23 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
     _write_target(header, layout_blob, target_bits, out_path, progress, reader.source, before_commit)
 
 
-def _apply_random_access(links: list[_Link], view: TensorView, final: PatchHeader, patches: list, backend,
-                         out_path: Path, progress: Progress) -> None:
-    """A chain: each target tensor is carried through every link in turn, in memory."""
-    final_link = next(link for link in links if link.header is final) if links else None
+def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
+                         progress: Progress) -> None:
+    """A chain: each target tensor is carried through every link in turn, in memory.
+
+    `links` may be empty (the base already is the target): then only the
+    final patch's layout is used.
+    """
     for link in links:
         link.reader.check_size(link.header.sections_length)
-    if final_link is None:  # base equals the target: re-lay it out with the last patch's layout
-        reader, _, stream = open_patch(patches[-1])
-        try:
-            layout_blob = _read_layout(reader, final, sequential=False)
-        finally:
-            if stream:
-                stream.close()
-    else:
-        layout_blob = _read_layout(final_link.reader, final, sequential=False)
+    final = final_link.header
+    layout_blob = _read_layout(final_link.reader, final, sequential=False)
     scratches = (Scratch(), Scratch())
 
     def target_bits(rec: TensorRecord) -> np.ndarray:
         return _carry_through(rec.name, links, view, backend, scratches)
 
-    _write_target(final, layout_blob, target_bits, out_path, progress, str(patches[-1]), lambda: None)
+    _write_target(final, layout_blob, target_bits, out_path, progress, final_link.reader.source, lambda: None)
 
 
 def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scratches) -> np.ndarray:

@@ -177,3 +177,11 @@ def test_stats_shows_ulp_histogram(pair, tmp_path):
     assert sum(hist.values()) == s["changed"]
     run("make", old, new, "-o", tmp_path / "g", "-q", "--codec", "gap-zstd")
     assert json.loads(run("stats", tmp_path / "g", "--json").stdout)["ulp_histogram"] is None
+
+
+def test_stdin_patch_onto_a_base_that_already_is_the_target(pair, tmp_path):
+    old, new = pair
+    patch = run("make", old, new, "-o", "-", "-q").stdout
+    proc = run("apply", new, "-", "-o", tmp_path / "out.safetensors", stdin=patch)
+    assert "already held the target" in proc.stderr.decode()
+    assert (tmp_path / "out.safetensors").read_bytes() == new.read_bytes()

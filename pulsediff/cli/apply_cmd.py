@@ -30,5 +30,5 @@ def apply(
     if result.status == "up-to-date":
         out.info(f"{result.output} is already up to date ({result.header.target_digest})")
     else:
-        links = f", {result.links_applied} patches" if result.links_applied != 1 else ""
+        links = {0: ", the base already held the target", 1: ""}.get(result.links_applied, f", {result.links_applied} patches")
         out.info(f"wrote {result.output} ({result.header.target_digest}, verified{links})")
