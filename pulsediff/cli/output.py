@@ -39,7 +39,7 @@ class Output:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.err.print(message)
+            self.err.print(message, soft_wrap=True)  # a log line: never broken across lines
 
     def json(self, data: Any) -> None:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
