@@ -33,6 +33,19 @@ OK, TRUNCATED, TOO_LONG, BAD_STATE = 0, 1, 2, 3
 # -- Rice ---------------------------------------------------------------------
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _put_bits(out, pos, acc, nacc, value, nbits):
+    """Append the low `nbits` (<= 32) of value, LSB first; returns the writer's new state."""
+    acc |= (np.uint64(value) & ((np.uint64(1) << np.uint64(nbits)) - np.uint64(1))) << np.uint64(nacc)
+    nacc += nbits
+    while nacc >= 8:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
+        pos += 1
+        acc >>= np.uint64(8)
+        nacc -= 8
+    return pos, acc, nacc
+
+
 @njit(cache=True, nogil=True)
 def rice_encode(values, ks, groups, out):
     """Rice-code values[i] with parameter ks[groups[i]]; returns bytes used in `out`.
@@ -46,39 +59,18 @@ def rice_encode(values, ks, groups, out):
         v = np.uint64(values[i])
         k = ks[groups[i]]
         q = v >> np.uint64(k)
-        # unary part: q ones then a zero
-        while q > 0:
+        while q > 0:  # unary part: q one-bits, at most 32 at a time
             take = min(q, np.uint64(32))
-            acc |= ((np.uint64(1) << take) - np.uint64(1)) << np.uint64(nacc)
-            nacc += int(take)
+            pos, acc, nacc = _put_bits(out, pos, acc, nacc, (np.uint64(1) << take) - np.uint64(1), int(take))
             q -= take
-            while nacc >= 8:
-                out[pos] = np.uint8(acc & np.uint64(0xFF))
-                pos += 1
-                acc >>= np.uint64(8)
-                nacc -= 8
-        nacc += 1  # the terminating zero bit
-        if k > 0:
-            low = v & ((np.uint64(1) << np.uint64(k)) - np.uint64(1))
-            # write k low bits, at most 32 at a time so acc never overflows
-            remaining = k
-            while remaining > 0:
-                take = min(remaining, 32)
-                part = low & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
-                acc |= part << np.uint64(nacc)
-                nacc += take
-                low >>= np.uint64(take)
-                remaining -= take
-                while nacc >= 8:
-                    out[pos] = np.uint8(acc & np.uint64(0xFF))
-                    pos += 1
-                    acc >>= np.uint64(8)
-                    nacc -= 8
-        while nacc >= 8:
-            out[pos] = np.uint8(acc & np.uint64(0xFF))
-            pos += 1
-            acc >>= np.uint64(8)
-            nacc -= 8
+        pos, acc, nacc = _put_bits(out, pos, acc, nacc, 0, 1)  # the terminating zero bit
+        low = v
+        remaining = k
+        while remaining > 0:  # the k low bits, at most 32 at a time
+            take = min(remaining, 32)
+            pos, acc, nacc = _put_bits(out, pos, acc, nacc, low, take)
+            low >>= np.uint64(take)
+            remaining -= take
     if nacc > 0:
         out[pos] = np.uint8(acc & np.uint64(0xFF))
         pos += 1
