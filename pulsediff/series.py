@@ -5,7 +5,16 @@ the step number in its name). `publish` turns it into a patch folder:
 
     anchor-00000010.pulsediff        a patch from the empty checkpoint: every tensor, compressed
     patch-00000010-00000011.pulsediff
+    patch-00000008-00000012.pulsediff   a skip patch (below)
     manifest.json                    every file with its step, base and target digests and size
+
+Skip patches keep catch-up short. Besides the patch from the previous step,
+the i-th published step also gets a patch from step i - 2**j for every j >= 1
+with 2**j dividing i (i = 4: from 3 and 2 and 0; i = 6: from 5 and 4): two
+patches per step on average, and any older step reaches the newest in about
+2·log2(distance) links instead of one link per step. Applying a link costs
+about one pass over the checkpoint whatever its size, so fewer links is what
+makes a worker 20 steps behind fast.
 
 Every file appears atomically (written under a temporary name, then renamed),
 and the manifest is replaced last, so an rsync running at any moment copies
@@ -46,7 +55,8 @@ class Entry:
     from_step: int | None  # the base's step (None for an anchor)
     base: str  # base digest (the empty checkpoint's for an anchor)
     target: str
-    bytes: int
+    bytes: int  # the file's size
+    target_bytes: int  # the rebuilt checkpoint's size: applying any file costs about one pass over it
 
 
 @dataclass
@@ -120,7 +130,7 @@ class PublishReport:
 
 
 def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep: int | None = None,
-                 precision: str = "exact", codec: str | None = None, device: str | None = None,
+                 skips: bool = True, precision: str = "exact", codec: str | None = None, device: str | None = None,
                  pattern: str = DEFAULT_STEP_PATTERN, progress: Progress = SILENT) -> PublishReport:
     """Publish every checkpoint newer than the manifest's newest step."""
     from .make import make_patch
@@ -141,28 +151,38 @@ def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep
     newest = manifest.newest
     last_step = newest.step if newest else None
     prev = dict(checkpoints).get(last_step) if last_step is not None else None
-    published = len({e.step for e in manifest.entries})  # steps published so far; every anchor_every-th gets an anchor
+    steps_done = sorted({e.step for e in manifest.entries})
+    paths = dict(checkpoints)
+
+    def add(kind: str, name: str, base_path: Path | None, path: Path, step: int, from_step: int | None) -> Entry:
+        header = make_patch(base_path, path, out_dir / name, **kwargs)
+        return Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
+                     (out_dir / name).stat().st_size, header.target_bytes)
+
     for step, path in checkpoints:
         if last_step is not None and step <= last_step:
             continue
+        index = len(steps_done)  # this step's position in the published sequence
         new_entries = []
         if prev is not None:
-            name = f"patch-{last_step:08d}-{step:08d}.pulsediff"
-            header = make_patch(prev, path, out_dir / name, **kwargs)
-            new_entries.append(Entry("patch", name, step, last_step, header.base_digest, header.target_digest,
-                                     (out_dir / name).stat().st_size))
+            new_entries.append(add("patch", f"patch-{last_step:08d}-{step:08d}.pulsediff", prev, path, step, last_step))
             report.patches += 1
+        jump = 2
+        while skips and index and index % jump == 0:
+            from_step = steps_done[index - jump]
+            if from_step in paths:  # the trainer may have deleted old checkpoints: then no skip from there
+                new_entries.append(add("patch", f"patch-{from_step:08d}-{step:08d}.pulsediff", paths[from_step],
+                                       path, step, from_step))
+                report.patches += 1
+            jump *= 2
         # An anchor every anchor_every steps, and whenever there is nothing to diff against
         # (the first step, or the previous checkpoint is gone from the training folder).
-        if prev is None or published % anchor_every == 0:
-            name = f"anchor-{step:08d}.pulsediff"
-            header = make_patch(None, path, out_dir / name, **kwargs)
-            new_entries.append(Entry("anchor", name, step, None, header.base_digest, header.target_digest,
-                                     (out_dir / name).stat().st_size))
+        if prev is None or index % anchor_every == 0:
+            new_entries.append(add("anchor", f"anchor-{step:08d}.pulsediff", None, path, step, None))
             report.anchors += 1
         manifest.entries.extend(new_entries)
         manifest.save(out_dir)  # last: the files it names are already in place
-        published += 1
+        steps_done.append(step)
         prev, last_step = path, step
     if keep is not None:
         report.pruned = _prune(manifest, out_dir, keep)
@@ -270,7 +290,12 @@ def _intact(path: Path, verify) -> bool:
 
 
 def _cheapest_path(entries: list[Entry], have: str | None, goal: str, bad: set[str]) -> list[Entry] | None:
-    """Dijkstra over digests, edges weighted by file size, from the checkpoint's digest or the empty one."""
+    """Dijkstra over digests, from the checkpoint's digest or the empty one.
+
+    A link costs its file's bytes (to fetch and read) plus the checkpoint's
+    size (applying it is about one pass over the whole checkpoint), so a long
+    chain of tiny patches loses to a few larger ones, or to an anchor.
+    """
     edges: dict[str, list[Entry]] = {}
     for e in entries:
         if e.file not in bad:
@@ -286,7 +311,7 @@ def _cheapest_path(entries: list[Entry], have: str | None, goal: str, bad: set[s
         if cost > best[node][0]:
             continue
         for e in edges.get(node, []):
-            new_cost = cost + e.bytes
+            new_cost = cost + e.bytes + e.target_bytes
             if e.target not in best or new_cost < best[e.target][0]:
                 best[e.target] = (new_cost, best[node][1] + [e])
                 counter += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -122,10 +123,11 @@ def test_deleted_patch_falls_back_to_an_anchor(pipeline):
     root, train, recv, _, _ = pipeline
     copy = root / "recv-deleted"
     shutil.copytree(recv, copy)
-    (copy / "patch-00000004-00000005.pulsediff").unlink()
-    ckpt = start_at_step(root, train, 4, "w-del.safetensors")
-    proc = catch_up(ckpt, copy)
+    (copy / "patch-00000005-00000006.pulsediff").unlink()  # the only patch that starts at step 5
+    ckpt = start_at_step(root, train, 5, "w-del.safetensors")
+    proc = subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(copy)], capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()
+    assert "from an anchor" in proc.stderr.decode()
     assert ckpt.read_bytes() == (train / f"step_{STEPS:06d}.safetensors").read_bytes()
 
 
@@ -133,15 +135,25 @@ def test_corrupted_patch_falls_back_and_never_gives_a_wrong_result(pipeline):
     root, train, recv, _, _ = pipeline
     copy = root / "recv-corrupt"
     shutil.copytree(recv, copy)
-    victim = copy / "patch-00000004-00000005.pulsediff"
+    victim = copy / "patch-00000005-00000006.pulsediff"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
     victim.write_bytes(bytes(data))
-    ckpt = start_at_step(root, train, 3, "w-bad.safetensors")
+    ckpt = start_at_step(root, train, 5, "w-bad.safetensors")
     proc = subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(copy)], capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()
-    assert "patch-00000004-00000005.pulsediff" in proc.stderr.decode()  # reported as skipped
+    assert "skipped missing or damaged: patch-00000005-00000006.pulsediff" in proc.stderr.decode()
     assert "from an anchor" in proc.stderr.decode()
+    assert ckpt.read_bytes() == (train / f"step_{STEPS:06d}.safetensors").read_bytes()
+
+
+def test_skip_patches_keep_catch_up_short(pipeline):
+    root, train, recv, _, _ = pipeline
+    ckpt = start_at_step(root, train, 0, "w-skip.safetensors")
+    proc = subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(recv)], capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    applied = int(re.search(r"applied (\d+) file", proc.stderr.decode()).group(1))
+    assert applied <= 3  # skip patches or an anchor: never seven one-step links
     assert ckpt.read_bytes() == (train / f"step_{STEPS:06d}.safetensors").read_bytes()
 
 
@@ -155,14 +167,11 @@ def test_unreachable_newest_step_stops_at_the_newest_reachable_one(pipeline):
     proc = catch_up(ckpt, copy)
     assert proc.returncode == 1 and b"stopped at step 6" in proc.stderr
     assert ckpt.read_bytes() == (train / "step_000006.safetensors").read_bytes()
-    # with the anchor damaged too there is nothing newer to reach: an error, and the checkpoint is untouched
-    anchor = copy / "anchor-00000006.pulsediff"
-    anchor.write_bytes(anchor.read_bytes()[:-10])
-    (copy / "patch-00000005-00000006.pulsediff").unlink()
-    before = start_at_step(root, train, 5, "w-none.safetensors").read_bytes()
-    proc = catch_up(root / "w-none.safetensors", copy)
+    # from step 6 nothing newer is reachable: an error, and the checkpoint is untouched
+    before = ckpt.read_bytes()
+    proc = catch_up(ckpt, copy)
     assert proc.returncode == 1 and b"no intact chain" in proc.stderr
-    assert (root / "w-none.safetensors").read_bytes() == before
+    assert ckpt.read_bytes() == before
 
 
 def test_keep_prunes_old_chains_but_keeps_what_the_newest_anchor_needs(pipeline, tmp_path):
@@ -173,6 +182,7 @@ def test_keep_prunes_old_chains_but_keeps_what_the_newest_anchor_needs(pipeline,
     anchors = sorted(e.step for e in manifest.entries if e.kind == "anchor")
     assert anchors == [4, 6]
     assert min(e.step for e in manifest.entries) == 4
+    assert all(e.step > 4 for e in manifest.entries if e.kind == "patch")
     assert sorted(p.name for p in out.iterdir() if p.name != "manifest.json") == sorted(e.file for e in manifest.entries)
     worker = tmp_path / "fresh.safetensors"
     assert catch_up(worker, out).returncode == 0

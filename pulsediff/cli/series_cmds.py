@@ -17,6 +17,7 @@ def publish(
     out_dir: Annotated[Path, typer.Argument(help="Folder to fill with patches, anchors and manifest.json (rsync it).")],
     anchor_every: Annotated[int, typer.Option("--anchor-every", help="Write a full anchor every N steps.")] = 10,
     keep: Annotated[Optional[int], typer.Option("--keep", help="Keep only the newest K anchors and what follows them.")] = None,
+    skips: Annotated[bool, typer.Option("--skips/--no-skips", help="Also write skip patches (from 2, 4, 8, ... steps back) so that catch-up needs few links.")] = True,
     watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
     idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many seconds with no new checkpoint.")] = None,
@@ -35,7 +36,7 @@ def publish(
         out.info(f"published {report.patches} patches and {report.anchors} anchors into {out_dir}")
 
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
-                anchor_every=anchor_every, keep=keep, precision=precision, codec=codec, device=device, pattern=pattern)
+                anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device, pattern=pattern)
     if total.pruned:
         out.info(f"pruned {total.pruned} files older than the newest {keep} anchors")
     if not (total.patches or total.anchors):
