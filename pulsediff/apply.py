@@ -222,15 +222,15 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
         link.reader.check_size(link.header.sections_length)
     final = final_link.header
     layout_blob = _read_layout(final_link.reader, final, sequential=False)
-    scratches = (Scratch(), Scratch())
+    scratch = Scratch()
 
     def target_bits(rec: TensorRecord) -> np.ndarray:
-        return _carry_through(rec.name, links, view, backend, scratches)
+        return _carry_through(rec.name, links, view, backend, scratch)
 
     _write_target(final, layout_blob, target_bits, out_path, progress, final_link.reader.source, lambda: None)
 
 
-def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scratches) -> np.ndarray:
+def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
     """The tensor after the last link: from the last link that carries it whole, or from the base."""
     start = len(links) - 1
     while start >= 0:
@@ -249,13 +249,13 @@ def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scr
         link = links[start]
         rec = link.records[name]
         bits = _rebuild(rec, link.reader.read_section(rec.section, f"tensor {name!r}"), None, backend,
-                        link.reader.source, scratches[start % 2])
+                        link.reader.source, scratch)
         first = start + 1
     for k in range(first, len(links)):
         link = links[k]
         rec = link.records[name]
         payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
-        bits = _rebuild(rec, payload, bits, backend, link.reader.source, scratches[k % 2])
+        bits = _rebuild(rec, payload, bits, backend, link.reader.source, scratch)
     return bits
 
 

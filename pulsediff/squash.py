@@ -56,12 +56,12 @@ def squash_patches(
             digest = checkpoint_digest(tensor_ids(view).values())
             if digest != links[0].header.base_digest:
                 raise BaseMismatchError(links[0].header.base_digest, digest, "squash needs the first patch's base")
-            scratches = (Scratch(), Scratch())
+            scratch = Scratch()
             records = {r.name: r for r in final.tensors}
 
             def get(name: str) -> TensorData:
                 rec = records[name]
-                return TensorData(name, rec.dtype, rec.shape, _carry_through(name, links, view, backend, scratches))
+                return TensorData(name, rec.dtype, rec.shape, _carry_through(name, links, view, backend, scratch))
 
             target = TargetSource(
                 precision=final.precision, kind=final.layout.kind,

@@ -52,23 +52,30 @@ def class_ranks_ref(base, shift, mask, positions):
 def test_rice_matches_reference_and_round_trips(pairs):
     values = np.array([v for v, _ in pairs], np.uint64)
     ks = np.array([k for _, k in pairs], np.int64)
-    groups = np.arange(len(pairs), dtype=np.int64)
+    counts = np.ones(len(pairs), np.int64)  # one value per parameter: the most parameter changes
     expected = rice_encode_ref(values, ks)
     buf = np.zeros(len(expected) + 16, np.uint8)
-    used = entropy.rice_encode(values, ks, groups, buf)
+    used = entropy.rice_encode(values, ks, counts, buf)
     assert buf[:used].tobytes() == expected
     out = np.empty(len(pairs), np.uint64)
-    status, consumed = entropy.rice_decode(np.frombuffer(expected, np.uint8), ks, groups, out)
+    status, consumed = entropy.rice_decode(np.frombuffer(expected, np.uint8), ks, counts, out)
     assert status == entropy.OK and consumed == len(expected)
     assert (out == values).all()
 
 
 def test_rice_decoder_refuses_truncation_and_long_runs():
     out = np.empty(1, np.uint64)
-    ks, groups = np.zeros(1, np.int64), np.zeros(1, np.int64)
-    assert entropy.rice_decode(np.full(4, 0xFF, np.uint8), ks, groups, out)[0] == entropy.TRUNCATED
+    ks, counts = np.zeros(1, np.int64), np.ones(1, np.int64)
+    assert entropy.rice_decode(np.full(4, 0xFF, np.uint8), ks, counts, out)[0] == entropy.TRUNCATED
     ones = np.full((entropy.MAX_UNARY >> 3) + 2, 0xFF, np.uint8)
-    assert entropy.rice_decode(ones, ks, groups, out)[0] == entropy.TOO_LONG
+    assert entropy.rice_decode(ones, ks, counts, out)[0] == entropy.TOO_LONG
+    # a value split across the window's refills, with k up to 62
+    values = np.array([2**61 + 12345, 7, 2**40], np.uint64)
+    ks3, counts3 = np.array([61, 2, 40], np.int64), np.ones(3, np.int64)
+    stream = rice_encode_ref(values, ks3)
+    got = np.empty(3, np.uint64)
+    assert entropy.rice_decode(np.frombuffer(stream, np.uint8), ks3, counts3, got) == (entropy.OK, len(stream))
+    assert (got == values).all()
 
 
 @settings(max_examples=60, deadline=None)
@@ -112,9 +119,12 @@ def test_class_ranks_and_apply_ranked_match_reference(n, dtype, shift, bits):
     offsets = np.zeros(mask + 2, np.int64)
     np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
     starts, _ = cpu.chunk_class_starts(base, shift, mask)
-    out = np.empty_like(base)
+    out = base.copy()
     applied = cpu.apply_ranked(base, shift, mask, starts, offsets, ranks[order], zigzag[order], out)
     expected = base.copy()
     expected[positions] = (base[positions].astype(np.uint64) + delta.astype(np.uint64)).astype(dtype)
     assert applied == positions.size
     assert (out == expected).all()
+    in_place = base.copy()  # chains decode each link over the previous one's output
+    cpu.apply_ranked(in_place, shift, mask, starts, offsets, ranks[order], zigzag[order], in_place)
+    assert (in_place == expected).all()

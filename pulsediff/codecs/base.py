@@ -89,6 +89,14 @@ class Scratch:
             self._buf = np.empty(nbytes, np.uint8)
         return self._buf[:nbytes].view(dtype)
 
+    def take_copy(self, base: np.ndarray) -> np.ndarray:
+        """A copy of `base` in the buffer; no copy at all when `base` already is the buffer
+        (a chain decodes each link in place over the previous link's output)."""
+        out = self.take(base.size, base.dtype)
+        if out.__array_interface__["data"][0] != base.__array_interface__["data"][0]:
+            np.copyto(out, base)
+        return out
+
 
 # -- shared, checked helpers -------------------------------------------------
 

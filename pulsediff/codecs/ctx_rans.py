@@ -170,10 +170,9 @@ class CtxRans(Codec):
             _put_varint(table, int(cls))
             _put_varint(table, int(n))
             table.append(k)
-        groups = np.repeat(np.arange(listed.size, dtype=np.int64), counts)
         rice_bits = sum(entropy.rice_cost(rice_vals[s : s + n], int(k)) for s, n, k in zip(starts, counts, ks))
         rice_buf = np.zeros((rice_bits + 7) // 8 + 8, np.uint8)
-        used = entropy.rice_encode(rice_vals, ks, groups, rice_buf)
+        used = entropy.rice_encode(rice_vals, ks, counts.astype(np.int64), rice_buf)
         positions_bytes = rice_buf[:used].tobytes()
 
         symbols = np.minimum(zigzag, np.uint64(entropy.ESCAPE)).astype(np.uint8)
@@ -223,8 +222,7 @@ class CtxRans(Codec):
 
         # positions: ranks within classes
         rice_vals = np.empty(count, np.uint64)
-        groups = np.repeat(np.arange(listed, dtype=np.int64), counts)
-        status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, groups, rice_vals)
+        status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, rice_vals)
         if status != entropy.OK or used != len(pos_bytes):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
         ranks = np.empty(count, np.int64)
@@ -237,7 +235,7 @@ class CtxRans(Codec):
         per_class = np.zeros(mask + 1, np.int64)
         per_class[classes] = counts
         np.cumsum(per_class, out=offsets[1:])
-        out = scratch.take(base.size, base.dtype)
+        out = scratch.take_copy(base)
         if cpu.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) != count:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
@@ -245,7 +243,7 @@ class CtxRans(Codec):
     def value_deltas(self, payload, params, ctx: SectionContext) -> np.ndarray:
         """Signed bit-pattern differences of the changed elements (no base needed)."""
         count, _, _, n_escapes, parts = _split(payload, params, ctx)
-        zigzag = _decode_values(parts[2], parts[3], parts[4], count, n_escapes, ctx)
+        zigzag = _decode_values(parts[2], parts[3], parts[4], count, n_escapes, ctx).astype(np.uint64)
         return ((zigzag >> np.uint64(1)) ^ (np.uint64(0) - (zigzag & np.uint64(1)))).view(np.int64)
 
     def changed_count(self, params):
@@ -289,9 +287,11 @@ def _decode_values(freq_bytes: bytes, rans_bytes: bytes, esc_bytes: bytes, count
     symbols = np.empty(count, np.uint8)
     if count and entropy.rans_decode(np.frombuffer(rans_bytes, np.uint8), freqs, cums, slot_to_symbol, symbols) != entropy.OK:
         raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: value stream is damaged")
-    zigzag = symbols.astype(np.uint64)
     escaped = symbols == entropy.ESCAPE
     if int(escaped.sum()) != n_escapes:
         raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: escape count mismatch")
+    if not n_escapes:
+        return symbols  # uint8 is enough, and a widening copy of every value would cost more than the decode
+    zigzag = symbols.astype(np.uint64)
     zigzag[escaped] = np.frombuffer(esc_bytes, f"<u{ctx.itemsize}").astype(np.uint64)
     return zigzag

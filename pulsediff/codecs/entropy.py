@@ -47,30 +47,33 @@ def _put_bits(out, pos, acc, nacc, value, nbits):
 
 
 @njit(cache=True, nogil=True)
-def rice_encode(values, ks, groups, out):
-    """Rice-code values[i] with parameter ks[groups[i]]; returns bytes used in `out`.
+def rice_encode(values, ks, counts, out):
+    """Rice-code values, the first counts[0] with parameter ks[0], the next counts[1] with ks[1], ...
 
-    `out` must be large enough: sum over i of (values[i] >> k) + 1 + k bits.
+    Returns the bytes used in `out`, which must hold sum((v >> k) + 1 + k) bits.
     """
     acc = np.uint64(0)
     nacc = 0
     pos = 0
-    for i in range(values.size):
-        v = np.uint64(values[i])
-        k = ks[groups[i]]
-        q = v >> np.uint64(k)
-        while q > 0:  # unary part: q one-bits, at most 32 at a time
-            take = min(q, np.uint64(32))
-            pos, acc, nacc = _put_bits(out, pos, acc, nacc, (np.uint64(1) << take) - np.uint64(1), int(take))
-            q -= take
-        pos, acc, nacc = _put_bits(out, pos, acc, nacc, 0, 1)  # the terminating zero bit
-        low = v
-        remaining = k
-        while remaining > 0:  # the k low bits, at most 32 at a time
-            take = min(remaining, 32)
-            pos, acc, nacc = _put_bits(out, pos, acc, nacc, low, take)
-            low >>= np.uint64(take)
-            remaining -= take
+    i = 0
+    for g in range(counts.size):
+        k = ks[g]
+        for _ in range(counts[g]):
+            v = np.uint64(values[i])
+            i += 1
+            q = v >> np.uint64(k)
+            while q > 0:  # unary part: q one-bits, at most 32 at a time
+                take = min(q, np.uint64(32))
+                pos, acc, nacc = _put_bits(out, pos, acc, nacc, (np.uint64(1) << take) - np.uint64(1), int(take))
+                q -= take
+            pos, acc, nacc = _put_bits(out, pos, acc, nacc, 0, 1)  # the terminating zero bit
+            low = v
+            remaining = k
+            while remaining > 0:  # the k low bits, at most 32 at a time
+                take = min(remaining, 32)
+                pos, acc, nacc = _put_bits(out, pos, acc, nacc, low, take)
+                low >>= np.uint64(take)
+                remaining -= take
     if nacc > 0:
         out[pos] = np.uint8(acc & np.uint64(0xFF))
         pos += 1
@@ -78,32 +81,58 @@ def rice_encode(values, ks, groups, out):
 
 
 @njit(cache=True, nogil=True)
-def rice_decode(data, ks, groups, out):
-    """Inverse of rice_encode for len(out) values; returns (status, bytes consumed)."""
-    nbits = data.size * 8
-    bit = 0
-    for i in range(out.size):
-        k = ks[groups[i]]
-        q = 0
-        while True:
-            if bit >= nbits:
-                return TRUNCATED, 0
-            b = (data[bit >> 3] >> (bit & 7)) & 1
-            bit += 1
-            if b == 0:
-                break
-            q += 1
-            if q > MAX_UNARY:
-                return TOO_LONG, 0
-        if bit + k > nbits:
-            return TRUNCATED, 0
-        low = np.uint64(0)
-        for j in range(k):
-            b = (data[(bit + j) >> 3] >> ((bit + j) & 7)) & 1
-            low |= np.uint64(b) << np.uint64(j)
-        bit += k
-        out[i] = (np.uint64(q) << np.uint64(k)) | low
-    return OK, (bit + 7) >> 3
+def rice_decode(data, ks, counts, out):
+    """Inverse of rice_encode; returns (status, bytes consumed).
+
+    Bits are read through a 64-bit window refilled a byte at a time, so the
+    k low bits come out with one mask, not k reads.
+    """
+    n = data.size
+    pos = 0  # next byte to load into the window
+    buf = np.uint64(0)
+    nbuf = 0
+    i = 0
+    for g in range(counts.size):
+        k = ks[g]
+        for _ in range(counts[g]):
+            q = 0
+            while True:  # unary part
+                if nbuf == 0:
+                    if pos >= n:
+                        return TRUNCATED, 0
+                    while nbuf <= 56 and pos < n:
+                        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
+                        pos += 1
+                        nbuf += 8
+                if buf & np.uint64(1):
+                    buf >>= np.uint64(1)
+                    nbuf -= 1
+                    q += 1
+                    if q > MAX_UNARY:
+                        return TOO_LONG, 0
+                else:
+                    buf >>= np.uint64(1)
+                    nbuf -= 1
+                    break
+            low = np.uint64(0)
+            got = 0
+            while got < k:  # k low bits, as many per step as the window holds
+                if nbuf == 0:
+                    if pos >= n:
+                        return TRUNCATED, 0
+                    while nbuf <= 56 and pos < n:
+                        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
+                        pos += 1
+                        nbuf += 8
+                take = min(k - got, nbuf)
+                low |= (buf & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
+                buf = buf >> np.uint64(take) if take < 64 else np.uint64(0)
+                nbuf -= take
+                got += take
+            out[i] = (np.uint64(q) << np.uint64(k)) | low
+            i += 1
+    # bytes consumed: those loaded, minus whole bytes still unread in the window
+    return OK, pos - (nbuf // 8)
 
 
 def rice_cost(values: np.ndarray, k: int) -> int:

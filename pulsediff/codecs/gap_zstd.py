@@ -50,8 +50,7 @@ class GapZstd(Codec):
         positions, bad = kernels.gaps_to_positions(gaps)
         if bad or (count and positions[-1] >= ctx.numel):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: changed positions are out of order or out of range")
-        out = scratch.take(base.size, base.dtype)
-        np.copyto(out, base)
+        out = scratch.take_copy(base)
         if kernels.scatter(out, positions, values):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: changed positions are out of range")
         return out

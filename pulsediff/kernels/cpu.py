@@ -279,7 +279,7 @@ def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out):
-    # `out` already holds a copy of base; only listed (class, rank) elements change.
+    # `out` already holds a copy of base (or is base); only listed (class, rank) elements change.
     n = base.size
     nchunks = starts.shape[0]
     step = (n + nchunks - 1) // nchunks
@@ -316,8 +316,8 @@ def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out):
 
 
 def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -> int:
-    """Rebuild base + deltas into `out`; returns how many (class, rank) entries were applied."""
-    np.copyto(out, base)
+    """Rebuild base + deltas into `out` (which holds a copy of base, or is base itself: each
+    element is read before it is written); returns how many (class, rank) entries were applied."""
     if base.size == 0:
         return 0
     return int(_apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out))
