@@ -67,7 +67,7 @@ class _RichProgress(Progress):
         self._bar = None
 
     def begin(self, description, total_bytes, total_tensors):
-        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn,
+        from rich.progress import (BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
         from rich.progress import Progress as Bar
 
