@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros  # LLVM cttz
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
@@ -96,24 +97,31 @@ def rice_decode(data, ks, counts, out):
         k = ks[g]
         for _ in range(counts[g]):
             q = 0
-            while True:  # unary part
-                if nbuf == 0:
-                    if pos >= n:
-                        return TRUNCATED, 0
+            while True:  # unary part: count the one-bits before the first zero, a window at a time
+                if nbuf <= 56 and pos < n:
                     while nbuf <= 56 and pos < n:
                         buf |= np.uint64(data[pos]) << np.uint64(nbuf)
                         pos += 1
                         nbuf += 8
-                if buf & np.uint64(1):
-                    buf >>= np.uint64(1)
-                    nbuf -= 1
-                    q += 1
+                if nbuf == 0:
+                    return TRUNCATED, 0
+                valid = (np.uint64(1) << np.uint64(nbuf)) - np.uint64(1) if nbuf < 64 else ~np.uint64(0)
+                zeros = ~buf & valid
+                if zeros == 0:  # every valid bit is a one: the run goes on past the window
+                    q += nbuf
+                    buf = np.uint64(0)
+                    nbuf = 0
                     if q > MAX_UNARY:
                         return TOO_LONG, 0
-                else:
-                    buf >>= np.uint64(1)
-                    nbuf -= 1
-                    break
+                    continue
+                ones = int(trailing_zeros(zeros))
+                q += ones
+                if q > MAX_UNARY:
+                    return TOO_LONG, 0
+                used = ones + 1  # the run and its terminating zero
+                buf = buf >> np.uint64(used) if used < 64 else np.uint64(0)
+                nbuf -= used
+                break
             low = np.uint64(0)
             got = 0
             while got < k:  # k low bits, as many per step as the window holds
