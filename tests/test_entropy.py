@@ -128,3 +128,14 @@ def test_class_ranks_and_apply_ranked_match_reference(n, dtype, shift, bits):
     in_place = base.copy()  # chains decode each link over the previous one's output
     cpu.apply_ranked(in_place, shift, mask, starts, offsets, ranks[order], zigzag[order], in_place)
     assert (in_place == expected).all()
+
+
+def test_rice_decode_to_ranks_checks_each_class_size():
+    gaps_minus_one = np.array([0, 2, 0, 5, 1], np.uint64)  # class A: ranks 0, 3, 4; class B: ranks 5, 7
+    ks, counts = np.array([1, 2], np.int64), np.array([3, 2], np.int64)
+    stream = np.frombuffer(rice_encode_ref(gaps_minus_one, [1, 1, 1, 2, 2]), np.uint8)
+    ranks = np.empty(5, np.int64)
+    assert entropy.rice_decode(stream, ks, counts, ranks, np.array([5, 8], np.int64))[0] == entropy.OK
+    assert ranks.tolist() == [0, 3, 4, 5, 7]
+    # class B holds only 7 elements: rank 7 is out of range
+    assert entropy.rice_decode(stream, ks, counts, ranks, np.array([5, 7], np.int64))[0] == entropy.OUT_OF_RANGE

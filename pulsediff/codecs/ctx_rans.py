@@ -34,7 +34,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import numpy as np
-from numba import njit
 
 from ..errors import CorruptPatchError
 from . import entropy
@@ -102,25 +101,6 @@ class _Reader:
 
 
 # -- kernels local to this codec ----------------------------------------------
-
-
-@njit(cache=True, nogil=True)
-def _ranks_from_rice_values(vals, counts, sizes, ranks):
-    """ranks = per-class running sums of (vals + 1) - 1; False if one passes its class size."""
-    k = 0
-    for m in range(counts.size):
-        r = np.int64(-1)
-        size = sizes[m]
-        for _ in range(counts[m]):
-            g = vals[k]
-            if g >= np.uint64(size):
-                return False
-            r += np.int64(g) + 1
-            if r >= size:
-                return False
-            ranks[k] = r
-            k += 1
-    return True
 
 
 def _zigzag_deltas(base_at: np.ndarray, values: np.ndarray, width_bits: int) -> np.ndarray:
@@ -221,13 +201,12 @@ class CtxRans(Codec):
         starts, sizes_all = cpu.chunk_class_starts(base, shift, mask)
 
         # positions: ranks within classes
-        rice_vals = np.empty(count, np.uint64)
-        status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, rice_vals)
+        ranks = np.empty(count, np.int64)
+        status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, ranks, sizes_all[classes])
+        if status == entropy.OUT_OF_RANGE:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
         if status != entropy.OK or used != len(pos_bytes):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
-        ranks = np.empty(count, np.int64)
-        if not _ranks_from_rice_values(rice_vals, counts, sizes_all[classes], ranks):
-            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
 
         deltas = _decode_values(freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx)
 

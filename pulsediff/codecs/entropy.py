@@ -28,7 +28,7 @@ RANS_L = 1 << 23
 ESCAPE = 255  # symbol meaning: the value is stored whole in the escape list
 MAX_UNARY = 1 << 20  # a longer run of one-bits cannot come from our encoder
 
-OK, TRUNCATED, TOO_LONG, BAD_STATE = 0, 1, 2, 3
+OK, TRUNCATED, TOO_LONG, BAD_STATE, OUT_OF_RANGE = 0, 1, 2, 3, 4
 
 
 # -- Rice ---------------------------------------------------------------------
@@ -82,11 +82,14 @@ def rice_encode(values, ks, counts, out):
 
 
 @njit(cache=True, nogil=True)
-def rice_decode(data, ks, counts, out):
+def rice_decode(data, ks, counts, out, sizes=None):
     """Inverse of rice_encode; returns (status, bytes consumed).
 
     Bits are read through a 64-bit window refilled a byte at a time, so the
-    k low bits come out with one mask, not k reads.
+    k low bits come out with one mask, not k reads. With `sizes` (one per
+    group), the values are gaps minus one and `out` receives their running
+    sums instead, the ranks r = r_prev + value + 1 starting from -1, each
+    checked to stay below its group's size (else OUT_OF_RANGE).
     """
     n = data.size
     pos = 0  # next byte to load into the window
@@ -95,6 +98,7 @@ def rice_decode(data, ks, counts, out):
     i = 0
     for g in range(counts.size):
         k = ks[g]
+        rank = np.int64(-1)
         for _ in range(counts[g]):
             q = 0
             while True:  # unary part: count the one-bits before the first zero, a window at a time
@@ -137,7 +141,16 @@ def rice_decode(data, ks, counts, out):
                 buf = buf >> np.uint64(take) if take < 64 else np.uint64(0)
                 nbuf -= take
                 got += take
-            out[i] = (np.uint64(q) << np.uint64(k)) | low
+            value = (np.uint64(q) << np.uint64(k)) | low
+            if sizes is None:
+                out[i] = value
+            else:
+                if value >= np.uint64(sizes[g]):
+                    return OUT_OF_RANGE, 0
+                rank += np.int64(value) + 1
+                if rank >= sizes[g]:
+                    return OUT_OF_RANGE, 0
+                out[i] = rank
             i += 1
     # bytes consumed: those loaded, minus whole bytes still unread in the window
     return OK, pos - (nbuf // 8)
