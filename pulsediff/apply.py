@@ -120,13 +120,16 @@ def apply_chain(
     in_place: bool = False,
     device: str | None = None,
     progress: Progress = SILENT,
+    base_ids: dict[str, TensorId] | None = None,
 ) -> ApplyResult:
     """Apply patches P1..Pn to `base` in one pass, tensor by tensor, with no intermediate checkpoints.
 
     Every link is checked (Pk's base digest is Pk-1's target digest) before
     anything is written. A base that already equals the target of some link
     starts the chain there. One patch may come from a stream (stdin); a chain
-    of several needs seekable files.
+    of several needs seekable files. `base_ids`: the base's tensor ids under
+    the patches' precision, when the caller has just hashed it (every rebuilt
+    tensor is still checked against its recorded hash).
     """
     if not patches:
         raise UsageError("give at least one patch")
@@ -150,7 +153,8 @@ def apply_chain(
         final = final_link.header
         with open_checkpoint(base) as base_ckpt:
             view = TensorView(base_ckpt, final.precision)
-            base_ids = tensor_ids(view, progress)
+            if base_ids is None:
+                base_ids = tensor_ids(view, progress)
             digest = checkpoint_digest(base_ids.values())
             base_is_out = base is not None and out_path.resolve() == Path(base).resolve()
             if digest == final.target_digest:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .atomic import StagedFiles
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, TensorView
 from .digest import checkpoint_digest, is_digest
 from .errors import CheckpointNotFoundError, InvalidCheckpointError, PulsediffError, UsageError
 from .progress import SILENT, Progress
@@ -246,17 +246,21 @@ class CatchUpResult:
 def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, device: str | None = None,
              progress: Progress = SILENT) -> CatchUpResult:
     from .apply import apply_chain, verify_patch_file
-    from .inspect import checkpoint_digest_of
+    from .inspect import tensor_ids
 
     manifest = Manifest.load(patch_dir)
     if manifest is None or not manifest.entries:
         raise CheckpointNotFoundError(str(patch_dir / MANIFEST), "manifest")
     newest = manifest.newest
     out_path = out or checkpoint
-    have = checkpoint_digest_of(checkpoint, manifest.precision) if checkpoint.exists() else None
+    ids = None  # hashed once here, handed to apply
+    if checkpoint.exists():
+        with Checkpoint(checkpoint) as ckpt:
+            ids = tensor_ids(TensorView(ckpt, manifest.precision), progress)
+    have = checkpoint_digest(ids.values()) if ids is not None else None
     if have == newest.target:
         if out is not None and out != checkpoint and not out.exists():
-            apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress)
+            apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress, base_ids=ids)
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
     have_step = max((e.step for e in manifest.entries if e.target == have), default=-1)
     # Targets to aim for, newest first: when the newest cannot be reached (its only
@@ -274,7 +278,8 @@ def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, devi
                 continue
             from_anchor = path[0].kind == "anchor"
             files = [patch_dir / e.file for e in path]
-            apply_chain(None if from_anchor else checkpoint, files, out_path, device=device, progress=progress)
+            apply_chain(None if from_anchor else checkpoint, files, out_path, device=device, progress=progress,
+                        base_ids=None if from_anchor else ids)
             status = "applied" if step == newest.step else "partial"
             return CatchUpResult(status, out_path, step, [e.file for e in path], from_anchor, sorted(bad))
     raise PulsediffError(

@@ -65,8 +65,9 @@ def rsync(src: Path, dst: Path) -> None:
     subprocess.run(["rsync", "-a", f"{src}/", f"{dst}/"], check=True, capture_output=True, timeout=60)
 
 
-def catch_up(ckpt: Path, folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(folder), "-q"], capture_output=True, timeout=300)
+def catch_up(ckpt: Path, folder: Path, quiet: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(folder), *(["-q"] if quiet else [])],
+                          capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_deleted_patch_falls_back_to_an_anchor(pipeline):
     shutil.copytree(recv, copy)
     (copy / "patch-00000005-00000006.pulsediff").unlink()  # the only patch that starts at step 5
     ckpt = start_at_step(root, train, 5, "w-del.safetensors")
-    proc = subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(copy)], capture_output=True, timeout=300)
+    proc = catch_up(ckpt, copy, quiet=False)
     assert proc.returncode == 0, proc.stderr.decode()
     assert "from an anchor" in proc.stderr.decode()
     assert ckpt.read_bytes() == (train / f"step_{STEPS:06d}.safetensors").read_bytes()
@@ -140,7 +141,7 @@ def test_corrupted_patch_falls_back_and_never_gives_a_wrong_result(pipeline):
     data[len(data) // 2] ^= 0x40
     victim.write_bytes(bytes(data))
     ckpt = start_at_step(root, train, 5, "w-bad.safetensors")
-    proc = subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(copy)], capture_output=True, timeout=300)
+    proc = catch_up(ckpt, copy, quiet=False)
     assert proc.returncode == 0, proc.stderr.decode()
     assert "skipped missing or damaged: patch-00000005-00000006.pulsediff" in proc.stderr.decode()
     assert "from an anchor" in proc.stderr.decode()
@@ -150,7 +151,7 @@ def test_corrupted_patch_falls_back_and_never_gives_a_wrong_result(pipeline):
 def test_skip_patches_keep_catch_up_short(pipeline):
     root, train, recv, _, _ = pipeline
     ckpt = start_at_step(root, train, 0, "w-skip.safetensors")
-    proc = subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(recv)], capture_output=True, timeout=300)
+    proc = catch_up(ckpt, recv, quiet=False)
     assert proc.returncode == 0, proc.stderr.decode()
     applied = int(re.search(r"applied (\d+) file", proc.stderr.decode()).group(1))
     assert applied <= 3  # skip patches or an anchor: never seven one-step links
