@@ -12,9 +12,10 @@ Order of checks, so that nothing is written unless everything holds:
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 import numpy as np
 
@@ -112,6 +113,24 @@ class _Link:
     records: dict[str, TensorRecord]
 
 
+@contextmanager
+def open_chain(patches: list) -> Iterator[list[_Link]]:
+    """Open patches as a chain, every link checked against the previous one; closes them after."""
+    owned: list[BinaryIO] = []
+    try:
+        links = []
+        for p in patches:
+            reader, header, stream = open_patch(p)
+            if stream is not None:
+                owned.append(stream)
+            links.append(_Link(reader, header, {r.name: r for r in header.tensors}))
+        _check_links(links)
+        yield links
+    finally:
+        for stream in owned:
+            stream.close()
+
+
 def apply_chain(
     base: str | Path | None,
     patches: list,
@@ -140,15 +159,7 @@ def apply_chain(
     if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
         raise UsageError("a chain of several patches must be files (stdin carries one patch)")
     out_path = Path(base) if in_place else Path(out)
-    owned: list[BinaryIO] = []
-    try:
-        links = []
-        for p in patches:
-            reader, header, stream = open_patch(p)
-            if stream is not None:
-                owned.append(stream)
-            links.append(_Link(reader, header, {r.name: r for r in header.tensors}))
-        _check_links(links)
+    with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]
         final = final_link.header
         with open_checkpoint(base) as base_ckpt:
@@ -176,9 +187,6 @@ def apply_chain(
             if in_place:
                 _remove_stale_files(base_ckpt, final)
         return ApplyResult("applied", out_path, final, len(links))
-    finally:
-        for stream in owned:
-            stream.close()
 
 
 def _check_links(links: list[_Link]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from .apply import _carry_through, _check_links, _Link, _read_layout, open_patch
+from .apply import _carry_through, _read_layout, open_chain
 from .checkpoint import TensorData, TensorView, open_checkpoint
 from .codecs import DEFAULT_SPARSE_CODEC
 from .codecs.base import Scratch
@@ -38,14 +38,7 @@ def squash_patches(
         raise UsageError("give at least one patch to squash")
     if any(str(p) == "-" for p in patches):
         raise UsageError("squash reads patches from files, not stdin")
-    owned = []
-    try:
-        links = []
-        for p in patches:
-            reader, header, stream = open_patch(p)
-            owned.append(stream)
-            links.append(_Link(reader, header, {r.name: r for r in header.tensors}))
-        _check_links(links)
+    with open_chain(patches) as links:
         final = links[-1].header
         _check_choices(codec, final.precision)
         for link in links:
@@ -73,7 +66,3 @@ def squash_patches(
         if header.target_digest != final.target_digest:  # cannot happen unless a bug: refuse loudly
             raise AssertionError("squashed patch does not reach the chain's target")
         return header
-    finally:
-        for stream in owned:
-            if stream is not None:
-                stream.close()
