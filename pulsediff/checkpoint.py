@@ -23,6 +23,7 @@ import numpy as np
 
 from .dtypes import BF16, DType
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
+from .memory import populate_read
 from .safetensors_io import HeaderError, ParsedHeader, TensorEntry, parse_header, read_header_length
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -53,7 +54,9 @@ class ShardFile:
         """Zero-copy uint8 view of one tensor's bytes."""
         if entry.nbytes == 0:
             return np.empty(0, dtype=np.uint8)
-        return np.frombuffer(self._map, dtype=np.uint8, count=entry.nbytes, offset=self.header.data_start + entry.begin)
+        start = self.header.data_start + entry.begin
+        populate_read(self._map, start, entry.nbytes)
+        return np.frombuffer(self._map, dtype=np.uint8, count=entry.nbytes, offset=start)
 
 
 class Checkpoint:

@@ -10,6 +10,7 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptPatchError
+from ..memory import Scratch  # noqa: F401  (part of the codec contract: decode's scratch)
 
 # Level 3 is zstd's default: on gaps and weight bits, higher levels gain under 2%
 # and cost several times the time.
@@ -70,32 +71,6 @@ class Codec(ABC):
 
     def index_bytes(self, params: dict) -> int:
         return 0
-
-
-class Scratch:
-    """One output buffer reused from tensor to tensor.
-
-    Fresh memory costs a page fault per 4 KiB on first touch, which on VMs
-    costs more than copying the tensor itself; reusing one buffer pays that
-    once, for the largest tensor.
-    """
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, np.uint8)
-
-    def take(self, count: int, dtype: np.dtype) -> np.ndarray:
-        nbytes = count * np.dtype(dtype).itemsize
-        if self._buf.nbytes < nbytes:
-            self._buf = np.empty(nbytes, np.uint8)
-        return self._buf[:nbytes].view(dtype)
-
-    def take_copy(self, base: np.ndarray) -> np.ndarray:
-        """A copy of `base` in the buffer; no copy at all when `base` already is the buffer
-        (a chain decodes each link in place over the previous link's output)."""
-        out = self.take(base.size, base.dtype)
-        if out.__array_interface__["data"][0] != base.__array_interface__["data"][0]:
-            np.copyto(out, base)
-        return out
 
 
 # -- shared, checked helpers -------------------------------------------------

@@ -31,6 +31,7 @@ before decoding is mandatory (apply always does it).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, wait
 from types import ModuleType
 
 import numpy as np
@@ -47,6 +48,10 @@ CLASS_FIELDS = {
 MAX_CLASS_BITS = 12
 # Rice runs longer than this are avoided by raising k: the decoder refuses longer ones.
 _MAX_Q_BITS = 20
+
+
+# One worker: decodes a section's values while the caller decodes its positions.
+_VALUES_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-values")
 
 
 def class_field(dtype_name: str) -> tuple[int, int]:
@@ -198,23 +203,35 @@ class CtxRans(Codec):
         reader.done()
         if int(counts.sum()) != count:
             raise reader.fail("class counts do not add up")
-        starts, sizes_all = cpu.chunk_class_starts(base, shift, mask)
-
-        # positions: ranks within classes
-        ranks = np.empty(count, np.int64)
-        status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, ranks, sizes_all[classes])
-        if status == entropy.OUT_OF_RANGE:
-            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
-        if status != entropy.OK or used != len(pos_bytes):
-            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
-
-        deltas = _decode_values(freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx)
+        # The value stream is independent of the positions: decode it on a second
+        # core (the entropy decoders are sequential and release the GIL).
+        symbols = scratch.take(count, np.uint8, "symbols")
+        values = _VALUES_THREAD.submit(_decode_values, freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx,
+                                       symbols)
+        try:
+            # positions: ranks within classes, bounded by the tensor here and by
+            # each class's size below, once the base's classes are counted
+            ranks = scratch.take(count, np.int64, "ranks")
+            bound = np.full(listed, ctx.numel, np.int64)
+            status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, ranks, bound)
+            if status == entropy.OUT_OF_RANGE:
+                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
+            if status != entropy.OK or used != len(pos_bytes):
+                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
+            starts, sizes_all = cpu.chunk_class_starts(base, shift, mask)
+            last_ranks = ranks[np.cumsum(counts)[counts > 0] - 1]  # ranks ascend within a class
+            if (last_ranks >= sizes_all[classes[counts > 0]]).any():
+                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
+        except BaseException:
+            wait([values])  # it writes into scratch: let it finish before anything else does
+            raise
+        deltas = values.result()
 
         offsets = np.zeros(mask + 2, np.int64)
         per_class = np.zeros(mask + 1, np.int64)
         per_class[classes] = counts
         np.cumsum(per_class, out=offsets[1:])
-        out = scratch.take_copy(base)
+        out = scratch.take(base.size, base.dtype)  # may be `base` itself: a chain decodes in place
         if cpu.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) != count:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
@@ -248,8 +265,8 @@ def _split(payload: bytes, params: dict, ctx: SectionContext):
 
 
 def _decode_values(freq_bytes: bytes, rans_bytes: bytes, esc_bytes: bytes, count: int, n_escapes: int,
-                   ctx: SectionContext) -> np.ndarray:
-    """The zigzag-coded differences, in class-major order."""
+                   ctx: SectionContext, symbols: np.ndarray | None = None) -> np.ndarray:
+    """The zigzag-coded differences, in class-major order (decoded into `symbols` when given)."""
     reader = _Reader(freq_bytes, ctx, "frequency table")
     freqs = np.zeros(256, np.int64)
     last = -1
@@ -263,7 +280,8 @@ def _decode_values(freq_bytes: bytes, rans_bytes: bytes, esc_bytes: bytes, count
     if count and freqs.sum() != entropy.PROB_SCALE:
         raise reader.fail("frequencies do not sum to the scale")
     cums, slot_to_symbol = entropy.rans_tables(freqs)
-    symbols = np.empty(count, np.uint8)
+    if symbols is None:
+        symbols = np.empty(count, np.uint8)
     if count and entropy.rans_decode(np.frombuffer(rans_bytes, np.uint8), freqs, cums, slot_to_symbol, symbols) != entropy.OK:
         raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: value stream is damaged")
     escaped = symbols == entropy.ESCAPE

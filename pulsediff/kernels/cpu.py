@@ -279,7 +279,10 @@ def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out):
-    # `out` already holds a copy of base (or is base); only listed (class, rank) elements change.
+    # Writes every element of `out` (base, or base + delta at listed (class, rank)
+    # entries): the copy of the base rides along with the walk instead of being a
+    # pass of its own. `out` may be `base` itself: each element is read before it
+    # is written.
     n = base.size
     nchunks = starts.shape[0]
     step = (n + nchunks - 1) // nchunks
@@ -306,18 +309,19 @@ def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out):
                 p = ptr[cls]
                 z = np.uint64(deltas[p])
                 d = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))  # un-zigzag, mod 2**64
-                out[i] = v + d  # wraps modulo 2**width: exact integer arithmetic on bit patterns
+                v = v + d  # wraps modulo 2**width: exact integer arithmetic on bit patterns
                 p += 1
                 ptr[cls] = p
                 nxt[cls] = ranks[p] if p < class_offsets[cls + 1] else -1
                 done += 1
+            out[i] = v
         applied[c] = done
     return applied.sum()
 
 
 def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -> int:
-    """Rebuild base + deltas into `out` (which holds a copy of base, or is base itself: each
-    element is read before it is written); returns how many (class, rank) entries were applied."""
+    """Write base + deltas into `out` (every element: `out` need not be initialised, or may be
+    `base` itself); returns how many (class, rank) entries were applied."""
     if base.size == 0:
         return 0
     return int(_apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out))
