@@ -243,21 +243,50 @@ class CatchUpResult:
     skipped: list[str]  # files found missing or damaged on the way
 
 
-def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, device: str | None = None,
-             progress: Progress = SILENT) -> CatchUpResult:
-    from .apply import apply_chain, verify_patch_file
+@dataclass(frozen=True)
+class CatchUpPlan:
+    step: int  # the newest published step
+    files: list[str]  # the chain catch-up would apply, in order; empty when already there
+    from_anchor: bool
+
+
+def _where_we_are(checkpoint: Path, patch_dir: Path, progress: Progress):
+    """(manifest, the checkpoint's tensor ids or None, its digest or None)."""
     from .inspect import tensor_ids
 
     manifest = Manifest.load(patch_dir)
     if manifest is None or not manifest.entries:
         raise CheckpointNotFoundError(str(patch_dir / MANIFEST), "manifest")
-    newest = manifest.newest
-    out_path = out or checkpoint
     ids = None  # hashed once here, handed to apply
     if checkpoint.exists():
         with Checkpoint(checkpoint) as ckpt:
             ids = tensor_ids(TensorView(ckpt, manifest.precision), progress)
-    have = checkpoint_digest(ids.values()) if ids is not None else None
+    return manifest, ids, checkpoint_digest(ids.values()) if ids is not None else None
+
+
+def plan_catch_up(checkpoint: Path, patch_dir: Path, *, progress: Progress = SILENT) -> CatchUpPlan:
+    """The files catch-up would apply, judged from the manifest alone (the files need not be here).
+
+    For fetching only what is needed: a worker that mirrors the whole folder
+    would also download every anchor, each nearly the size of the checkpoint.
+    """
+    manifest, _, have = _where_we_are(checkpoint, patch_dir, progress)
+    newest = manifest.newest
+    if have == newest.target:
+        return CatchUpPlan(newest.step, [], False)
+    path = _cheapest_path(manifest.entries, have, newest.target, set())
+    if path is None:
+        raise PulsediffError(f"the manifest in {patch_dir} has no chain from {checkpoint} to step {newest.step}")
+    return CatchUpPlan(newest.step, [e.file for e in path], path[0].kind == "anchor")
+
+
+def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, device: str | None = None,
+             progress: Progress = SILENT) -> CatchUpResult:
+    from .apply import apply_chain, verify_patch_file
+
+    manifest, ids, have = _where_we_are(checkpoint, patch_dir, progress)
+    newest = manifest.newest
+    out_path = out or checkpoint
     if have == newest.target:
         if out is not None and out != checkpoint and not out.exists():
             apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress, base_ids=ids)

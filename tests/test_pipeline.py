@@ -207,3 +207,30 @@ def test_series_stats_and_plot(pipeline, tmp_path):
     assert set(s["layer_density"]) <= {"attention", "mlp", "embeddings", "norms", "other"}
     assert {"attention", "mlp", "embeddings", "norms"} <= set(s["layer_density"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def plan(ckpt: Path, folder: Path) -> list[str]:
+    proc = subprocess.run([*PULSEDIFF, "catch-up", str(ckpt), str(folder), "--plan"], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return proc.stdout.decode().splitlines()
+
+
+def test_plan_lets_a_worker_fetch_only_the_files_it_needs(pipeline):
+    """manifest first, then `catch-up --plan | rsync --files-from=-`: no anchor crosses the link."""
+    root, train, recv, _, _ = pipeline
+    inbox = root / "inbox-plan"
+    inbox.mkdir()
+    shutil.copy(recv / "manifest.json", inbox / "manifest.json")
+    ckpt = start_at_step(root, train, 2, "w-plan.safetensors")
+    needed = plan(ckpt, inbox)
+    assert needed and not any(name.startswith("anchor") for name in needed)
+    subprocess.run(["rsync", "-a", "--files-from=-", f"{recv}/", f"{inbox}/"], input="\n".join(needed).encode(),
+                   check=True, capture_output=True, timeout=60)
+    assert sorted(p.name for p in inbox.iterdir()) == sorted(["manifest.json", *needed])
+    proc = catch_up(ckpt, inbox, quiet=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert f"({', '.join(needed)})" in proc.stderr.decode()  # it applied exactly the planned chain
+    assert ckpt.read_bytes() == (train / f"step_{STEPS:06d}.safetensors").read_bytes()
+    assert plan(ckpt, inbox) == []  # up to date: nothing to fetch
+    fresh = plan(root / "no-such-worker.safetensors", inbox)
+    assert fresh[0].startswith("anchor")  # a fresh worker starts from an anchor

@@ -41,6 +41,10 @@ class Output:
         if not self.quiet:
             self.err.print(message, soft_wrap=True)  # a log line: never broken across lines
 
+    def line(self, text: str) -> None:
+        """One plain line on stdout, for other programs to read (no markup, no wrapping)."""
+        sys.stdout.write(text + "\n")
+
     def json(self, data: Any) -> None:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
 

@@ -47,6 +47,8 @@ def catch_up(
     checkpoint: Annotated[Path, typer.Argument(help="The worker's checkpoint (need not exist yet).")],
     patch_dir: Annotated[Path, typer.Argument(help="A folder written by `pulsediff publish` (or an rsync copy of it).")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of updating CHECKPOINT in place.")] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Only print the files the cheapest chain needs, one per line "
+                                       "(for `rsync --files-from=-`), judged from the manifest; change nothing.")] = False,
     device: Device = "auto",
     quiet: Quiet = False,
 ) -> None:
@@ -54,6 +56,12 @@ def catch_up(
     from ..series import catch_up as run
 
     out = Output(quiet=quiet)
+    if plan:
+        from ..series import plan_catch_up
+
+        for name in plan_catch_up(checkpoint, patch_dir).files:
+            out.line(name)
+        return
     result = run(checkpoint, patch_dir, output, device=device, progress=out.progress())
     if result.status == "up-to-date":
         out.info(f"{result.output} is already at step {result.step}")
