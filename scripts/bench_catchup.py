@@ -244,6 +244,7 @@ class Op:
     cleanup: list[Path] = field(default_factory=list)  # removed before each run, untimed
     check: Path | None = None  # compared with the newest step after each run
     fetch_bytes: int | None = None  # what a worker must download for this way
+    fetched_into: Path | None = None  # a folder whose size after a run is what was fetched
     times: list[float] = field(default_factory=list)
     peak_rss_kib: list[int] = field(default_factory=list)
     cmp_ok: list[bool] = field(default_factory=list)
@@ -283,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow", type=float, default=90.0,
                     help="time once only a command whose warm-up took longer than this many seconds")
     ap.add_argument("--pulsediff", help="command to run instead of the installed `pulsediff`")
+    ap.add_argument("--links", default="1",
+                    help="comma-separated link rates in Gbit/s for the measured network rows (rsync --bwlimit; "
+                         "default 1; empty: none)")
     ap.add_argument("--json", type=Path, help="also save the results to this JSON file")
     args = ap.parse_args(argv)
     codecs = [c for c in args.codecs.split(",") if c]
@@ -335,12 +339,16 @@ def main(argv: list[str] | None = None) -> int:
             Op(f"apply sq [{c}]", [*pulsediff, "apply", str(base), str(sq), "-o", str(sq_out), "-q"],
                [sq_out], sq_out),
         ]
+    links = [float(x) for x in args.links.split(",") if x]
+    ops += network_ops(links, codecs, work, base, newest, out, pulsediff)
     by_name = {op.name: op for op in ops}
 
     def run(op: Op) -> float:
         for p in op.cleanup:
             remove(p)
         dt, rss = run_timed(op.argv, time_cmd, rss_file)
+        if op.fetched_into is not None:
+            op.fetch_bytes = sum(p.stat().st_size for p in op.fetched_into.iterdir())
         if op.check is not None:
             op.cmp_ok.append(identical(op.check, newest))
             remove(op.check)  # disk, and the next command's page cache
@@ -403,6 +411,36 @@ def main(argv: list[str] | None = None) -> int:
         print("FAILED: an output differs from the newest step", file=sys.stderr)
         return 1
     return 0
+
+
+def link_name(gbit: float) -> str:
+    return f"{gbit:g} Gbit/s"
+
+
+def network_ops(links: list[float], codecs: list[str], work: Path, base: Path, newest: Path, out: Path,
+                pulsediff: list[str]) -> list[Op]:
+    """Measured, over a link that rsync's --bwlimit holds to `gbit` (local disk to local disk).
+
+    Both ways write and fsync a new checkpoint, so both pay for fresh page-cache
+    memory alike. The worker's way is the README's: fetch the manifest, fetch
+    what `catch-up --plan` lists, catch up.
+    """
+    pd = " ".join(f'"{a}"' for a in pulsediff)
+    ops = []
+    for gbit in links:
+        rate = f"--bwlimit={gbit * 125:g}MB"  # rsync: MB = 10**6 bytes
+        dense_dst = out / "fetched.safetensors"
+        ops.append(Op(f"fetch dense @{link_name(gbit)}",
+                      ["sh", "-c", f'rsync {rate} "{newest}" "{dense_dst}" && sync "{dense_dst}"'],
+                      [dense_dst], dense_dst, newest.stat().st_size))
+        for c in codecs:
+            pub, inbox, dst = work / f"pub-{c}", out / f"inbox-{c}", out / f"caught-up-{c}.safetensors"
+            script = (f'mkdir -p "{inbox}" && rsync {rate} "{pub}/manifest.json" "{inbox}/" && '
+                      f'{pd} catch-up "{base}" "{inbox}" --plan | rsync {rate} --files-from=- "{pub}/" "{inbox}/" && '
+                      f'{pd} catch-up "{base}" "{inbox}" -o "{dst}" -q')
+            ops.append(Op(f"fetch+catch-up [{c}] @{link_name(gbit)}", ["sh", "-c", script], [inbox, dst], dst,
+                          fetched_into=inbox))
+    return ops
 
 
 def network_model(r: dict, codecs: list[str], steps: int) -> list[dict]:
@@ -498,6 +536,20 @@ def render(r: dict, codecs: list[str], steps: int) -> None:
               f"{w['total_s_1gbit']:>9.2f} s ({w['transfer_s_1gbit']:.2f}) {w['total_s_10gbit']:>9.2f} s "
               f"({w['transfer_s_10gbit']:.2f})")
     print("  (in parentheses: the transfer part alone; the dense row counts no local time, not even writing the file)")
+    measured = [name for name in ops if name.startswith("fetch dense @")]
+    if measured:
+        print()
+        print("the claim, over a network (MEASURED: rsync --bwlimit between local folders; both ways write and "
+              "fsync a new checkpoint)")
+        for name in measured:
+            link = name.split("@", 1)[1]
+            dense_s = ops[name]["median_s"]
+            for c in codecs:
+                cu = ops[f"fetch+catch-up [{c}] @{link}"]
+                verdict = "faster" if cu["median_s"] < dense_s else "SLOWER"
+                print(f"  {link}: manifest + `catch-up --plan` files + catch-up [{c}] {cu['median_s']:.2f} s "
+                      f"({cu['fetch_bytes']:,} bytes) vs the dense checkpoint {dense_s:.2f} s: "
+                      f"{dense_s / cu['median_s']:.2f}x, {verdict}")
     print(f"\ntotal run time {r['total_seconds']:.0f} s")
 
 
