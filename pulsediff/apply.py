@@ -354,7 +354,7 @@ def _write_target(header: PatchHeader, blob: bytes, target_bits, out_path: Path,
             records = header.tensors[first : first + lf.tensors]
             pos, first = pos + lf.header_len, first + lf.tensors
             _check_file_header(raw, records, lf.name, source)
-            with staged.open(out_path if layout.kind == "file" else out_path / lf.name) as f:
+            with staged.open(out_path if layout.kind == "file" else out_path / lf.name, direct=True) as f:
                 f.write(len(raw).to_bytes(8, "little"))
                 f.write(raw)
                 for rec in records:

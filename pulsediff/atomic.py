@@ -4,6 +4,14 @@ Every file pulsediff writes goes to a temporary name in the destination's own
 folder (so the final rename is atomic on POSIX), is fsynced, and only then
 renamed into place. On any failure the temporary files are removed and the
 destination is left as it was.
+
+Rebuilt checkpoints are written with O_DIRECT where the file system takes it
+(`direct=True`): they are fsynced anyway, so the page cache buys nothing but
+its cost, which on a VM is fresh memory faulted in from the host. Measured on
+the 2-vCPU benchmark VM: 1 GB written + fsynced in 0.55 s direct against
+2.7-3.7 s buffered (docs/BENCHMARKS.md, "Writing the output"). The price: the
+new file is not in the page cache, so the next reader reads it from disk.
+PULSEDIFF_BUFFERED_WRITES=1 turns it off.
 """
 
 from __future__ import annotations
@@ -16,6 +24,11 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from .errors import OutputError
+
+# O_DIRECT wants buffers, offsets and lengths aligned to the logical block size;
+# 4096 covers every common device. Staged in 8 MiB (a multiple of it) at a time.
+_DIRECT_BLOCK = 4096
+_DIRECT_STAGE = 8 << 20
 
 
 def output_error(path: Path | str, exc: OSError) -> OutputError:
@@ -35,7 +48,8 @@ class StagedFiles:
         self._staged: list[tuple[Path, Path]] = []  # (temporary, final)
 
     @contextmanager
-    def open(self, final: Path) -> Iterator[BinaryIO]:
+    def open(self, final: Path, direct: bool = False) -> Iterator[BinaryIO]:
+        """A file to write `final` through. `direct`: large output, write it with O_DIRECT where possible."""
         final = Path(final)
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -45,10 +59,16 @@ class StagedFiles:
         self._staged.append((Path(tmp), final))
         try:
             os.fchmod(fd, _mode_for(final))
-            with os.fdopen(fd, "wb") as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
+            if direct and _set_direct(fd):
+                with _DirectWriter(fd) as f:
+                    yield f
+                    f.finish()
+                    os.fsync(fd)
+            else:
+                with os.fdopen(fd, "wb") as f:
+                    yield f
+                    f.flush()
+                    os.fsync(f.fileno())
         except OSError as exc:
             raise output_error(final, exc) from None
 
@@ -99,3 +119,84 @@ def _fsync_dir(path: Path) -> None:
         pass  # some filesystems refuse fsync on folders; the rename itself is still atomic
     finally:
         os.close(fd)
+
+
+def _set_direct(fd: int) -> bool:
+    """Turn on O_DIRECT for `fd`; False where the platform, the file system or the user says no."""
+    if not hasattr(os, "O_DIRECT") or os.environ.get("PULSEDIFF_BUFFERED_WRITES", "") not in ("", "0"):
+        return False
+    import fcntl
+
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        return True
+    except OSError:  # tmpfs and some others refuse it
+        return False
+
+
+class _DirectWriter:
+    """Sequential writes through an aligned staging buffer, for an O_DIRECT file descriptor.
+
+    Full blocks go out as they fill; `finish` writes the last partial block
+    zero-padded and truncates the file back to its true length. A file system
+    that accepts the flag but refuses the first write (EINVAL) gets the same
+    bytes without O_DIRECT.
+    """
+
+    def __init__(self, fd: int):
+        from .memory import fresh_buffer  # numpy: only the large-output path needs it
+
+        self.fd = fd
+        self.buf = fresh_buffer(_DIRECT_STAGE)  # page-aligned: an anonymous map
+        self.fill = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        import numpy as np
+
+        src = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        done = 0
+        while done < src.size:
+            n = min(src.size - done, _DIRECT_STAGE - self.fill)
+            self.buf[self.fill : self.fill + n] = src[done : done + n]
+            self.fill += n
+            done += n
+            if self.fill == _DIRECT_STAGE:
+                self._flush(_DIRECT_STAGE)
+        self.size += src.size
+        return src.size
+
+    def _flush(self, length: int) -> None:
+        view = memoryview(self.buf[:length])
+        written = 0
+        while written < length:
+            try:
+                written += os.write(self.fd, view[written:])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not _clear_direct(self.fd):
+                    raise
+        self.fill = 0
+
+    def finish(self) -> None:
+        if self.fill:
+            tail = self.fill
+            padded = -(-tail // _DIRECT_BLOCK) * _DIRECT_BLOCK
+            self.buf[tail:padded] = 0
+            self._flush(padded)
+        os.ftruncate(self.fd, self.size)
+
+    def __enter__(self) -> "_DirectWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+def _clear_direct(fd: int) -> bool:
+    import fcntl
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & os.O_DIRECT:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+    return True

@@ -278,11 +278,10 @@ def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) 
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out):
-    # Writes every element of `out` (base, or base + delta at listed (class, rank)
-    # entries): the copy of the base rides along with the walk instead of being a
-    # pass of its own. `out` may be `base` itself: each element is read before it
-    # is written.
+def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out, in_place):
+    # Into another buffer, every element of `out` is written (the copy of the base
+    # rides along with the walk instead of being a pass of its own); in place, only
+    # the changed ones (rewriting the rest would double the memory traffic).
     n = base.size
     nchunks = starts.shape[0]
     step = (n + nchunks - 1) // nchunks
@@ -314,7 +313,9 @@ def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out):
                 ptr[cls] = p
                 nxt[cls] = ranks[p] if p < class_offsets[cls + 1] else -1
                 done += 1
-            out[i] = v
+                out[i] = v
+            elif not in_place:
+                out[i] = v
         applied[c] = done
     return applied.sum()
 
@@ -324,7 +325,8 @@ def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -
     `base` itself); returns how many (class, rank) entries were applied."""
     if base.size == 0:
         return 0
-    return int(_apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out))
+    in_place = out.__array_interface__["data"][0] == base.__array_interface__["data"][0]
+    return int(_apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out, in_place))
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,87 @@
+"""Staged outputs: direct (O_DIRECT) writes give the same bytes as buffered ones, with every fallback."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from pulsediff import atomic
+from pulsediff.atomic import StagedFiles
+from pulsediff.errors import OutputError
+
+STAGE = atomic._DIRECT_STAGE
+
+
+def pieces(rng, sizes):
+    return [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+
+
+def write_staged(path, parts, direct=True):
+    with StagedFiles() as staged:
+        with staged.open(path, direct=direct) as f:
+            for part in parts:
+                f.write(part)
+        staged.commit()
+
+
+@pytest.mark.parametrize("sizes", [
+    [], [1], [4095], [4096], [4097], [STAGE], [STAGE + 1], [3, STAGE - 3, 5000, 1],
+    [STAGE // 3] * 7, [0, 0, 12345],
+])
+def test_direct_writes_give_the_exact_bytes(tmp_path, sizes):
+    parts = pieces(np.random.default_rng(len(sizes) + sum(sizes)), sizes)
+    write_staged(tmp_path / "out", parts)
+    assert (tmp_path / "out").read_bytes() == b"".join(parts)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary left
+
+
+def test_direct_path_is_taken_where_the_file_system_allows_it(tmp_path, monkeypatch):
+    used = []
+    real = atomic._DirectWriter.finish
+    monkeypatch.setattr(atomic._DirectWriter, "finish", lambda self: used.append(self.size) or real(self))
+    write_staged(tmp_path / "out", [b"x" * 10000])
+    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        supported = atomic._set_direct(fd)
+    finally:
+        os.close(fd)
+    assert used == ([10000] if supported else [])
+
+
+def test_buffered_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("PULSEDIFF_BUFFERED_WRITES", "1")
+    monkeypatch.setattr(atomic, "_DirectWriter", None)  # would fail if used
+    write_staged(tmp_path / "out", [b"abc" * 5000])
+    assert (tmp_path / "out").read_bytes() == b"abc" * 5000
+
+
+def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    """Some accept O_DIRECT at open and refuse the write (EINVAL): the writer drops the flag."""
+    real_write = os.write
+    refused = []
+
+    def picky_write(fd, data):
+        import fcntl
+
+        if hasattr(os, "O_DIRECT") and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", picky_write)
+    parts = pieces(np.random.default_rng(5), [STAGE + 777, 3])
+    write_staged(tmp_path / "out", parts)
+    assert (tmp_path / "out").read_bytes() == b"".join(parts)
+
+
+def test_a_failed_direct_write_leaves_nothing(tmp_path, monkeypatch):
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", no_space)
+    with pytest.raises(OutputError, match="no space left on device"):
+        write_staged(tmp_path / "out", [b"y" * (STAGE + 1)])
+    assert list(tmp_path.iterdir()) == []
