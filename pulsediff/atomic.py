@@ -8,8 +8,8 @@ destination is left as it was.
 Rebuilt checkpoints are written with O_DIRECT where the file system takes it
 (`direct=True`): they are fsynced anyway, so the page cache buys nothing but
 its cost, which on a VM is fresh memory faulted in from the host. Measured on
-the 2-vCPU benchmark VM: 1 GB written + fsynced in 0.55 s direct against
-2.7-3.7 s buffered (docs/BENCHMARKS.md, "Writing the output"). The price: the
+the 2-vCPU benchmark VM (scripts/bench_memory.py): 1 GiB written + fsynced in
+0.60 s direct against 0.84 to 3.4 s buffered (median 1.74 s). The price: the
 new file is not in the page cache, so the next reader reads it from disk.
 PULSEDIFF_BUFFERED_WRITES=1 turns it off.
 """

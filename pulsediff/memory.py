@@ -1,13 +1,17 @@
 """Memory that does not fault page by page.
 
-On the VMs these tools run on, the first touch of a 4 KiB page costs a few
-microseconds: touching 1 GB of fresh memory one page at a time took 1.5 s,
-and reading 1 GB of a memory-mapped file already in the page cache 1.1 s,
-against 0.36 s for `cp` of the whole file (docs/BENCHMARKS.md, "Page
-faults"). Linux (5.14+) can map a whole range in one call instead
-(MADV_POPULATE_READ / MADV_POPULATE_WRITE), and large anonymous buffers can
-use 2 MiB pages (MADV_HUGEPAGE). Both are hints: where the kernel or the
-platform lacks them, everything works as before, only slower.
+On the VM these tools were measured on, fresh memory is expensive: filling
+1 GiB of new `np.empty` memory page by page took 0.2 to 2.8 s (medians 1.0
+and 1.9 s in two runs), against 0.5 s for a buffer whose pages were mapped in
+one call (docs/BENCHMARKS.md, "Memory
+and writes"; scripts/bench_memory.py), and `cp` of a 1 GB checkpoint takes
+0.37 s. Linux (5.14+) can map a whole range in one call
+(MADV_POPULATE_WRITE / MADV_POPULATE_READ), and large anonymous buffers can
+use 2 MiB pages (MADV_HUGEPAGE). For a file already in the page cache the
+kernel maps pages around each fault anyway, so populating a mapped tensor
+gains little (0.04 s against 0.01 s per GiB); it is kept because it costs
+nothing. All are hints: where the kernel or the platform lacks them,
+everything works as before, only slower.
 
 - `populate_read(map, start, length)`: before a tensor of a memory-mapped
   checkpoint is read.

@@ -8,6 +8,9 @@
 2. A file in the page cache, memory-mapped and read one byte per page: plain
    faults against `populate_read` first. The file is read once beforehand so
    that it is cached; --file defaults to a scratch file of --mib MiB.
+3. Writing --mib MiB to a new file and fsyncing it, through StagedFiles:
+   buffered against direct=True (O_DIRECT), into the folder of --file (or the
+   temporary folder). The data is in memory before the clock starts.
 
 Each case runs in a fresh child process (a process reuses memory it has freed,
 which would hide the first-touch cost), alternating, --repeats times; medians.
@@ -53,6 +56,22 @@ m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); populate_read(m, 0, len(m
 a = np.frombuffer(m, np.uint8); s = int(a[::mmap.PAGESIZE].sum()); print(time.perf_counter() - t)
 """,
 }
+for _mode in ("buffered", "direct"):
+    CASES[f"write + fsync: {_mode}"] = f"""
+import time, pathlib
+from pulsediff.atomic import StagedFiles
+from pulsediff.memory import fresh_buffer
+a = fresh_buffer(N); a.fill(7)
+out = pathlib.Path(OUTDIR) / "written.bin"
+t = time.perf_counter()
+with StagedFiles() as staged:
+    with staged.open(out, direct={_mode == "direct"}) as f:
+        for i in range(0, N, 64 << 20):
+            f.write(memoryview(a[i:i + (64 << 20)]))
+    staged.commit()
+print(time.perf_counter() - t)
+out.unlink()
+"""
 
 
 def main() -> int:
@@ -73,7 +92,7 @@ def main() -> int:
         times: dict[str, list[float]] = {name: [] for name in CASES}
         for _ in range(args.repeats):
             for name, code in CASES.items():
-                prelude = f"N = {n}\nPATH = {str(path)!r}\n"
+                prelude = f"N = {n}\nPATH = {str(path)!r}\nOUTDIR = {str(path.parent if args.file else tmp)!r}\n"
                 out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
                                      check=True, cwd=ROOT)
                 times[name].append(float(out.stdout.strip()))
