@@ -63,6 +63,25 @@ def test_rice_matches_reference_and_round_trips(pairs):
     assert (out == values).all()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_rice_decode_of_long_mixed_streams(seed):
+    """Many groups with k from 0 to 40 and runs of every length: every refill path of the window."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 400, 40).astype(np.int64)
+    ks = rng.integers(0, 41, counts.size).astype(np.int64)
+    values = np.concatenate([
+        (rng.geometric(rng.uniform(0.01, 0.9), n).astype(np.uint64) - np.uint64(1)) << np.uint64(k)
+        | rng.integers(0, 1 << k, n, dtype=np.uint64, endpoint=False)
+        for n, k in zip(counts, ks)
+    ]) if counts.sum() else np.zeros(0, np.uint64)
+    stream = rice_encode_ref(values, np.repeat(ks, counts))
+    out = np.empty(values.size, np.uint64)
+    assert entropy.rice_decode(np.frombuffer(stream, np.uint8), ks, counts, out) == (entropy.OK, len(stream))
+    assert (out == values).all()
+    status, _ = entropy.rice_decode(np.frombuffer(stream[: len(stream) // 2], np.uint8), ks, counts, out)
+    assert status == entropy.TRUNCATED
+
+
 def test_rice_decoder_refuses_truncation_and_long_runs():
     out = np.empty(1, np.uint64)
     ks, counts = np.zeros(1, np.int64), np.ones(1, np.int64)

@@ -98,15 +98,16 @@ def rice_decode(data, ks, counts, out, sizes=None):
     i = 0
     for g in range(counts.size):
         k = ks[g]
+        kmask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
         rank = np.int64(-1)
         for _ in range(counts[g]):
+            if nbuf < 32:  # top the window up only when it runs low: most codes are a few bits
+                while nbuf <= 56 and pos < n:
+                    buf |= np.uint64(data[pos]) << np.uint64(nbuf)
+                    pos += 1
+                    nbuf += 8
             q = 0
             while True:  # unary part: count the one-bits before the first zero, a window at a time
-                if nbuf <= 56 and pos < n:
-                    while nbuf <= 56 and pos < n:
-                        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
-                        pos += 1
-                        nbuf += 8
                 if nbuf == 0:
                     return TRUNCATED, 0
                 valid = (np.uint64(1) << np.uint64(nbuf)) - np.uint64(1) if nbuf < 64 else ~np.uint64(0)
@@ -117,6 +118,10 @@ def rice_decode(data, ks, counts, out, sizes=None):
                     nbuf = 0
                     if q > MAX_UNARY:
                         return TOO_LONG, 0
+                    while nbuf <= 56 and pos < n:
+                        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
+                        pos += 1
+                        nbuf += 8
                     continue
                 ones = int(trailing_zeros(zeros))
                 q += ones
@@ -126,21 +131,26 @@ def rice_decode(data, ks, counts, out, sizes=None):
                 buf = buf >> np.uint64(used) if used < 64 else np.uint64(0)
                 nbuf -= used
                 break
-            low = np.uint64(0)
-            got = 0
-            while got < k:  # k low bits, as many per step as the window holds
-                if nbuf == 0:
-                    if pos >= n:
-                        return TRUNCATED, 0
-                    while nbuf <= 56 and pos < n:
-                        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
-                        pos += 1
-                        nbuf += 8
-                take = min(k - got, nbuf)
-                low |= (buf & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
-                buf = buf >> np.uint64(take) if take < 64 else np.uint64(0)
-                nbuf -= take
-                got += take
+            if k <= nbuf:  # the k low bits are in the window: one mask
+                low = buf & kmask
+                buf = buf >> np.uint64(k) if k < 64 else np.uint64(0)
+                nbuf -= k
+            else:  # k low bits, as many per step as the window holds
+                low = np.uint64(0)
+                got = 0
+                while got < k:
+                    if nbuf == 0:
+                        if pos >= n:
+                            return TRUNCATED, 0
+                        while nbuf <= 56 and pos < n:
+                            buf |= np.uint64(data[pos]) << np.uint64(nbuf)
+                            pos += 1
+                            nbuf += 8
+                    take = min(k - got, nbuf)
+                    low |= (buf & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
+                    buf = buf >> np.uint64(take) if take < 64 else np.uint64(0)
+                    nbuf -= take
+                    got += take
             value = (np.uint64(q) << np.uint64(k)) | low
             if sizes is None:
                 out[i] = value
