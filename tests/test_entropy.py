@@ -158,3 +158,15 @@ def test_rice_decode_to_ranks_checks_each_class_size():
     assert ranks.tolist() == [0, 3, 4, 5, 7]
     # class B holds only 7 elements: rank 7 is out of range
     assert entropy.rice_decode(stream, ks, counts, ranks, np.array([5, 7], np.int64))[0] == entropy.OUT_OF_RANGE
+
+
+def test_values_thread_is_made_again_after_a_fork(monkeypatch):
+    """A forked child inherits the executor object but not its thread: it must get a new one."""
+    from pulsediff.codecs import ctx_rans
+
+    first = ctx_rans._values_executor()
+    assert ctx_rans._values_executor() is first
+    monkeypatch.setattr(ctx_rans.os, "getpid", lambda: -1)  # as if in a child
+    second = ctx_rans._values_executor()
+    assert second is not first
+    assert second.submit(lambda: 7).result(timeout=30) == 7

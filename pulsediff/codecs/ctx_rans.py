@@ -31,6 +31,7 @@ before decoding is mandatory (apply always does it).
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from types import ModuleType
 
@@ -51,7 +52,15 @@ _MAX_Q_BITS = 20
 
 
 # One worker: decodes a section's values while the caller decodes its positions.
-_VALUES_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-values")
+# Made per process: a forked child inherits the executor but not its thread.
+_values_thread: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _values_executor() -> ThreadPoolExecutor:
+    global _values_thread
+    if _values_thread is None or _values_thread[0] != os.getpid():
+        _values_thread = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-values"))
+    return _values_thread[1]
 
 
 def class_field(dtype_name: str) -> tuple[int, int]:
@@ -206,7 +215,7 @@ class CtxRans(Codec):
         # The value stream is independent of the positions: decode it on a second
         # core (the entropy decoders are sequential and release the GIL).
         symbols = scratch.take(count, np.uint8, "symbols")
-        values = _VALUES_THREAD.submit(_decode_values, freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx,
+        values = _values_executor().submit(_decode_values, freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx,
                                        symbols)
         try:
             # positions: ranks within classes, bounded by the tensor here and by
