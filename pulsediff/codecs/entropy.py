@@ -81,6 +81,16 @@ def rice_encode(values, ks, counts, out):
     return pos
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _refill(data, pos, buf, nbuf):
+    """Load bytes from data[pos:] above the window's nbuf bits until it holds 57 or more, or data ends."""
+    while nbuf <= 56 and pos < data.size:
+        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
+        pos += 1
+        nbuf += 8
+    return pos, buf, nbuf
+
+
 @njit(cache=True, nogil=True)
 def rice_decode(data, ks, counts, out, sizes=None):
     """Inverse of rice_encode; returns (status, bytes consumed).
@@ -102,10 +112,7 @@ def rice_decode(data, ks, counts, out, sizes=None):
         rank = np.int64(-1)
         for _ in range(counts[g]):
             if nbuf < 32:  # top the window up only when it runs low: most codes are a few bits
-                while nbuf <= 56 and pos < n:
-                    buf |= np.uint64(data[pos]) << np.uint64(nbuf)
-                    pos += 1
-                    nbuf += 8
+                pos, buf, nbuf = _refill(data, pos, buf, nbuf)
             q = 0
             while True:  # unary part: count the one-bits before the first zero, a window at a time
                 if nbuf == 0:
@@ -118,10 +125,7 @@ def rice_decode(data, ks, counts, out, sizes=None):
                     nbuf = 0
                     if q > MAX_UNARY:
                         return TOO_LONG, 0
-                    while nbuf <= 56 and pos < n:
-                        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
-                        pos += 1
-                        nbuf += 8
+                    pos, buf, nbuf = _refill(data, pos, buf, nbuf)
                     continue
                 ones = int(trailing_zeros(zeros))
                 q += ones
@@ -142,10 +146,7 @@ def rice_decode(data, ks, counts, out, sizes=None):
                     if nbuf == 0:
                         if pos >= n:
                             return TRUNCATED, 0
-                        while nbuf <= 56 and pos < n:
-                            buf |= np.uint64(data[pos]) << np.uint64(nbuf)
-                            pos += 1
-                            nbuf += 8
+                        pos, buf, nbuf = _refill(data, pos, buf, nbuf)
                     take = min(k - got, nbuf)
                     low |= (buf & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
                     buf = buf >> np.uint64(take) if take < 64 else np.uint64(0)
