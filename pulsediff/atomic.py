@@ -147,7 +147,11 @@ class _DirectWriter:
         from .memory import fresh_buffer  # numpy: only the large-output path needs it
 
         self.fd = fd
-        self.buf = fresh_buffer(_DIRECT_STAGE)  # page-aligned: an anonymous map
+        try:
+            self.buf = fresh_buffer(_DIRECT_STAGE)  # page-aligned: an anonymous map
+        except BaseException:
+            os.close(fd)  # __exit__ will not run: the writer owns the descriptor from here
+            raise
         self.fill = 0
         self.size = 0
 

@@ -85,3 +85,19 @@ def test_a_failed_direct_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="no space left on device"):
         write_staged(tmp_path / "out", [b"y" * (STAGE + 1)])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_that_cannot_get_its_buffer_closes_the_file(tmp_path, monkeypatch):
+    from pulsediff import memory
+
+    def no_memory(nbytes):
+        raise MemoryError
+
+    monkeypatch.setattr(memory, "fresh_buffer", no_memory)
+    fds = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    with pytest.raises(MemoryError):
+        write_staged(tmp_path / "out", [b"z"])
+    if fds is None:
+        pytest.skip("no /proc/self/fd to count open files")
+    assert set(os.listdir("/proc/self/fd")) <= fds
+    assert list(tmp_path.iterdir()) == []
