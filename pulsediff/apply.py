@@ -48,6 +48,8 @@ class ApplyResult:
     output: Path
     header: PatchHeader  # the last patch applied (its target is the output)
     links_applied: int = 1
+    base_is_target: bool = False  # the base already was the target (a patch made with OLD and NEW swapped?)
+    dry_run: bool = False  # everything was checked, nothing written ("applied" says what would have been)
 
 
 def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, BinaryIO | None]:
@@ -140,6 +142,7 @@ def apply_chain(
     device: str | None = None,
     progress: Progress = SILENT,
     base_ids: dict[str, TensorId] | None = None,
+    dry_run: bool = False,
 ) -> ApplyResult:
     """Apply patches P1..Pn to `base` in one pass, tensor by tensor, with no intermediate checkpoints.
 
@@ -148,7 +151,9 @@ def apply_chain(
     starts the chain there. One patch may come from a stream (stdin); a chain
     of several needs seekable files. `base_ids`: the base's tensor ids under
     the patches' precision, when the caller has just hashed it (every rebuilt
-    tensor is still checked against its recorded hash).
+    tensor is still checked against its recorded hash). `dry_run`: stop after
+    the checks that precede writing (headers, links, base digest, output
+    kind) and write nothing.
     """
     if not patches:
         raise UsageError("give at least one patch")
@@ -168,9 +173,10 @@ def apply_chain(
                 base_ids = tensor_ids(view, progress)
             digest = checkpoint_digest(base_ids.values())
             base_is_out = base is not None and out_path.resolve() == Path(base).resolve()
-            if digest == final.target_digest:
+            base_is_target = digest == final.target_digest
+            if base_is_target:
                 if in_place or base_is_out or _already_target(out_path, final):
-                    return ApplyResult("up-to-date", out_path, final, 0)
+                    return ApplyResult("up-to-date", out_path, final, 0, True, dry_run)
                 links = []  # the base is the target: only the layout may differ
             else:
                 later = [k for k, link in enumerate(links) if link.header.base_digest == digest]
@@ -178,15 +184,17 @@ def apply_chain(
                     raise _base_mismatch(links[0].header, base_ids, digest)
                 links = links[later[-1]:]
                 if _already_target(out_path, final):
-                    return ApplyResult("up-to-date", out_path, final, 0)
+                    return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
             _check_output_kind(final, out_path)
+            if dry_run:
+                return ApplyResult("applied", out_path, final, len(links), base_is_target, True)
             if len(patches) == 1:  # one patch, maybe on stdin: read it front to back
                 _apply_streaming(first_link, view, get_backend(device), out_path, progress, copy_all=not links)
             else:
                 _apply_random_access(links, final_link, view, get_backend(device), out_path, progress)
             if in_place:
                 _remove_stale_files(base_ckpt, final)
-        return ApplyResult("applied", out_path, final, len(links))
+        return ApplyResult("applied", out_path, final, len(links), base_is_target)
 
 
 def _check_links(links: list[_Link]) -> None:
