@@ -75,6 +75,18 @@ class UnknownCodecError(InvalidPatchError):
         super().__init__(f"unknown codec {codec_id!r}; the patch needs a newer pulsediff")
 
 
+# --- series folders ---------------------------------------------------------
+
+
+class InvalidManifestError(PulsediffError, ValueError):
+    """A series folder's manifest.json that is malformed, or contradicts itself or the files it names."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"not a valid pulsediff manifest: {path}: {reason}")
+
+
 # --- applying --------------------------------------------------------------
 
 
@@ -113,3 +125,11 @@ class DeviceUnavailableError(PulsediffError, RuntimeError):
 
 class UsageError(PulsediffError, ValueError):
     """Arguments that do not fit together."""
+
+
+class OutputExistsError(PulsediffError, FileExistsError):
+    """The output path exists and the caller did not ask to replace it (the CLI's -f/--force)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        super().__init__(f"{path} already exists; give -f/--force to overwrite it")

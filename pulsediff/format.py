@@ -19,6 +19,7 @@ from typing import BinaryIO
 import xxhash
 import zstandard
 
+from . import strict_json
 from .errors import (
     CorruptPatchError,
     NotAPatchError,
@@ -154,9 +155,11 @@ def _decode_header_frame(frame: bytes, source: str) -> dict:
         if not 0 < size <= MAX_HEADER_BYTES:
             raise CorruptPatchError(source, "header declares an invalid size")
         raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
-        header = json.loads(raw.decode("utf-8"))
-    except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError):
+        header = strict_json.loads(raw)
+    except zstandard.ZstdError:
         raise CorruptPatchError(source, "header does not decode") from None
+    except strict_json.JsonError as exc:
+        raise CorruptPatchError(source, f"header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptPatchError(source, "header is not a JSON object")
     return header

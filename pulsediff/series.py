@@ -28,94 +28,54 @@ error, never a wrong checkpoint.
 
 from __future__ import annotations
 
-import heapq
-import json
+import os
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic import StagedFiles
+from .atomic import TMP_SUFFIX, temp_prefix
 from .checkpoint import Checkpoint, TensorView
-from .digest import checkpoint_digest, is_digest
-from .errors import CheckpointNotFoundError, InvalidCheckpointError, PulsediffError, UsageError
+from .digest import checkpoint_digest
+from .errors import CheckpointNotFoundError, InvalidManifestError, PulsediffError, UsageError
+from .manifest import MANIFEST, Entry, Manifest, cheapest_paths
 from .progress import SILENT, Progress
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
-EMPTY_DIGEST = checkpoint_digest([])
-DEFAULT_STEP_PATTERN = r"(\d+)"
-FETCH_WEIGHT = 8  # see _cheapest_path
-
-
-@dataclass(frozen=True)
-class Entry:
-    kind: str  # "patch" or "anchor"
-    file: str
-    step: int  # the target's step
-    from_step: int | None  # the base's step (None for an anchor)
-    base: str  # base digest (the empty checkpoint's for an anchor)
-    target: str
-    bytes: int  # the file's size
-    target_bytes: int  # the rebuilt checkpoint's size: applying any file costs about one pass over it
-
-
-@dataclass
-class Manifest:
-    precision: str
-    entries: list[Entry]
-
-    def to_json(self) -> dict:
-        return {"version": MANIFEST_VERSION, "precision": self.precision, "entries": [asdict(e) for e in self.entries]}
-
-    @classmethod
-    def load(cls, folder: Path) -> "Manifest | None":
-        path = folder / MANIFEST
-        if not path.is_file():
-            return None
-        try:
-            obj = json.loads(path.read_text())
-            if obj.get("version") != MANIFEST_VERSION:
-                raise ValueError(f"manifest version {obj.get('version')!r} is not supported")
-            entries = [Entry(**e) for e in obj["entries"]]
-            for e in entries:
-                if e.kind not in ("patch", "anchor") or not (is_digest(e.base) and is_digest(e.target)) \
-                        or "/" in e.file or e.file.startswith("."):
-                    raise ValueError(f"bad entry for {e.file!r}")
-            return cls(obj["precision"], entries)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidCheckpointError(str(path), f"not a valid pulsediff manifest ({exc})") from None
-
-    def save(self, folder: Path) -> None:
-        with StagedFiles() as staged:
-            with staged.open(folder / MANIFEST) as f:
-                f.write((json.dumps(self.to_json(), indent=1) + "\n").encode())
-            staged.commit()
-
-    @property
-    def newest(self) -> Entry | None:
-        return max(self.entries, key=lambda e: (e.step, e.kind == "patch"), default=None)
+# The step is the number after "step" (step_12, global_step12), else the last number in the name
+# (checkpoint-500): `fp32_step0` is step 0 and `step5_bf16` step 5. A user's pattern: its first group.
+DEFAULT_STEP_PATTERN = r"(?i)step[_-]?(\d+)|(\d+)(?!.*\d)"
+READY_RULES = ("stable", "marker")
+DEFAULT_SETTLE = 2.0
+MARKER_SUFFIX = ".done"
+ONE_SHOT_WAIT = 60.0  # how long a publish without --watch waits for checkpoints that are still settling
 
 
 # -- publishing ------------------------------------------------------------------
 
 
-def find_checkpoints(train_dir: Path, pattern: str = DEFAULT_STEP_PATTERN) -> list[tuple[int, Path]]:
-    """Complete checkpoints in `train_dir`, by step. One still being written does not parse yet."""
-    regex = re.compile(pattern)
+def step_in_name(name: str, regex: re.Pattern) -> int | None:
+    """The step number a checkpoint's name carries: the first group of `regex` that matched."""
+    match = regex.search(name.removesuffix(".safetensors"))
+    if not match:
+        return None
+    digits = next((g for g in match.groups() if g is not None), None)
+    return int(digits) if digits is not None and len(digits) <= 15 else None
+
+
+def checkpoint_candidates(train_dir: Path, pattern: str = DEFAULT_STEP_PATTERN) -> list[tuple[int, Path]]:
+    """Everything in `train_dir` named like a step's checkpoint (a `.safetensors` file or a folder), by step."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(f"--step-pattern {pattern!r} is not a regular expression: {exc}") from None
+    if regex.groups < 1:
+        raise UsageError(f"--step-pattern {pattern!r} needs a group around the step number, e.g. 'step_(\\d+)'")
     found: dict[int, Path] = {}
     for path in sorted(train_dir.iterdir()):
-        if path.name.startswith("."):
+        if path.name.startswith(".") or not (path.is_dir() or path.suffix == ".safetensors"):
             continue
-        if not (path.is_dir() or path.suffix == ".safetensors"):
-            continue
-        match = regex.search(path.name.removesuffix(".safetensors"))
-        if not match:
-            continue
-        step = int(match.group(1))
-        try:
-            Checkpoint(path).close()  # complete? (header parses, sizes add up, shards present)
-        except PulsediffError:
+        step = step_in_name(path.name, regex)
+        if step is None:
             continue
         if step in found:
             raise UsageError(f"two checkpoints for step {step}: {found[step].name} and {path.name}")
@@ -123,21 +83,89 @@ def find_checkpoints(train_dir: Path, pattern: str = DEFAULT_STEP_PATTERN) -> li
     return sorted(found.items())
 
 
+def parses(path: Path) -> bool:
+    """Whether `path` opens as a checkpoint (header parses, sizes add up, shards present)."""
+    try:
+        Checkpoint(path).close()
+        return True
+    except PulsediffError:
+        return False
+
+
+def find_checkpoints(train_dir: Path, pattern: str = DEFAULT_STEP_PATTERN) -> list[tuple[int, Path]]:
+    """Checkpoints in `train_dir` that open, by step (for reading a finished series, not a running one)."""
+    return [(step, path) for step, path in checkpoint_candidates(train_dir, pattern) if parses(path)]
+
+
+# -- when is a checkpoint complete? ------------------------------------------------------------
+#
+# "It parses and its sizes add up" is not enough: a writer that preallocates the
+# file, or writes its tail first, makes a file that parses while its middle is
+# still zeros. So publish takes a step only when its trainer says it is done:
+#   stable  every file of the checkpoint unchanged (size, mtime) for `settle`
+#           seconds before publish reads it, and unchanged (same fingerprint,
+#           same digest computed a second time) after the patches are made;
+#   marker  a file NAME.done beside the checkpoint (the strong form: the
+#           trainer writes it after the checkpoint is closed), plus the same
+#           after-the-fact check.
+
+
+def _fingerprint(path: Path) -> tuple:
+    """(name, size, mtime_ns, inode) of every file of a checkpoint: any write changes it."""
+    files = [path] if not path.is_dir() else sorted(p for p in path.iterdir() if p.is_file())
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((f.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def marker_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name.removesuffix(".safetensors") + MARKER_SUFFIX)
+
+
+def _not_ready(path: Path, rule: str, settle: float) -> str | None:
+    """Why `path` cannot be published yet ("settling" when waiting will do), or None."""
+    if rule == "marker":
+        return None if marker_path(path).is_file() else f"no {marker_path(path).name} yet"
+    try:
+        newest = max((mtime for _, _, mtime, _ in _fingerprint(path)), default=0)
+    except OSError:
+        return "settling"  # a file vanished under us: the trainer is renaming or rewriting it
+    return "settling" if time.time() - newest / 1e9 < settle else None
+
+
 @dataclass
 class PublishReport:
     patches: int = 0
     anchors: int = 0
     pruned: int = 0
+    pending: dict[str, str] = field(default_factory=dict)  # checkpoint name -> why it is not published yet
+    skipped: dict[str, str] = field(default_factory=dict)  # named like a step, complete, but no checkpoint
+
+    @property
+    def settling(self) -> bool:
+        return any(why == "settling" for why in self.pending.values())
 
 
 def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep: int | None = None,
                  skips: bool = True, precision: str = "exact", codec: str | None = None, device: str | None = None,
-                 pattern: str = DEFAULT_STEP_PATTERN, progress: Progress = SILENT) -> PublishReport:
-    """Publish every checkpoint newer than the manifest's newest step."""
+                 pattern: str = DEFAULT_STEP_PATTERN, ready: str = "stable", settle: float = DEFAULT_SETTLE,
+                 progress: Progress = SILENT) -> PublishReport:
+    """Publish every complete checkpoint newer than the manifest's newest step, in step order.
+
+    Stops at the first step that is not complete yet (see above), so steps are
+    never published out of order; an old file that never opens is skipped.
+    """
+    from .inspect import checkpoint_digest_of
     from .make import make_patch
 
     if anchor_every < 1:
         raise UsageError("--anchor-every must be at least 1")
+    if ready not in READY_RULES:
+        raise UsageError(f"unknown --ready rule {ready!r}; choose {' or '.join(READY_RULES)}")
+    if not settle >= 0:
+        raise UsageError("--settle must be a number of seconds, 0 or more")
     if not train_dir.is_dir():
         raise CheckpointNotFoundError(str(train_dir), "training folder")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,46 +176,83 @@ def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep
     if codec:
         kwargs["codec"] = codec
     report = PublishReport()
-    checkpoints = find_checkpoints(train_dir, pattern)
+    candidates = checkpoint_candidates(train_dir, pattern)
+    paths = dict(candidates)
     newest = manifest.newest
     last_step = newest.step if newest else None
-    prev = dict(checkpoints).get(last_step) if last_step is not None else None
+    prev = paths.get(last_step) if last_step is not None else None
     steps_done = sorted({e.step for e in manifest.entries})
-    paths = dict(checkpoints)
+    digest_at = {e.step: e.target for e in manifest.entries}
 
-    def add(kind: str, name: str, base_path: Path | None, path: Path, step: int, from_step: int | None) -> Entry:
-        header = make_patch(base_path, path, out_dir / name, **kwargs)
-        return Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
-                     (out_dir / name).stat().st_size, header.target_bytes)
-
-    for step, path in checkpoints:
+    for step, path in candidates:
         if last_step is not None and step <= last_step:
             continue
+        why = _not_ready(path, ready, settle)
+        before = _fingerprint_or_none(path) if why is None else None
+        if why is None and before is None:
+            why = "settling"
+        if why is None and not parses(path):
+            if _not_ready(path, ready, settle) is None:  # complete by the rule, yet no checkpoint: not ours
+                report.skipped[path.name] = "does not open as a checkpoint"
+                continue
+            why = "settling"
+        if why is not None:
+            report.pending[path.name] = why
+            break
         index = len(steps_done)  # this step's position in the published sequence
-        new_entries = []
+        planned = []  # (kind, file name, base checkpoint or None, from_step)
         if prev is not None:
-            new_entries.append(add("patch", f"patch-{last_step:08d}-{step:08d}.pulsediff", prev, path, step, last_step))
-            report.patches += 1
+            planned.append(("patch", f"patch-{last_step:08d}-{step:08d}.pulsediff", prev, last_step))
         jump = 2
         while skips and index and index % jump == 0:
             from_step = steps_done[index - jump]
             if from_step in paths:  # the trainer may have deleted old checkpoints: then no skip from there
-                new_entries.append(add("patch", f"patch-{from_step:08d}-{step:08d}.pulsediff", paths[from_step],
-                                       path, step, from_step))
-                report.patches += 1
+                planned.append(("patch", f"patch-{from_step:08d}-{step:08d}.pulsediff", paths[from_step], from_step))
             jump *= 2
         # An anchor every anchor_every steps, and whenever there is nothing to diff against
         # (the first step, or the previous checkpoint is gone from the training folder).
         if prev is None or index % anchor_every == 0:
-            new_entries.append(add("anchor", f"anchor-{step:08d}.pulsediff", None, path, step, None))
-            report.anchors += 1
+            planned.append(("anchor", f"anchor-{step:08d}.pulsediff", None, None))
+        staged: list[tuple[Path, Path]] = []
+        try:
+            new_entries = []
+            for kind, name, base_path, from_step in planned:
+                tmp = out_dir / f"{temp_prefix(out_dir / name)}staged{TMP_SUFFIX}"
+                staged.append((tmp, out_dir / name))
+                header = make_patch(base_path, path, tmp, **kwargs)
+                if from_step is not None and digest_at.get(from_step, header.base_digest) != header.base_digest:
+                    raise PulsediffError(f"{base_path} changed after step {from_step} was published; "
+                                         f"its digest is no longer the one in {out_dir / MANIFEST}")
+                new_entries.append(Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
+                                         tmp.stat().st_size, header.target_bytes))
+            # The second look: the checkpoint read while making the patches must be the one there now.
+            again = checkpoint_digest_of(path, precision)
+            if _fingerprint_or_none(path) != before or any(e.target != again for e in new_entries):
+                report.pending[path.name] = "settling"  # it changed while we read it: try again later
+                break
+            for tmp, final in staged:
+                os.replace(tmp, final)
+            staged.clear()
+        finally:
+            for tmp, _ in staged:
+                tmp.unlink(missing_ok=True)
         manifest.entries.extend(new_entries)
         manifest.save(out_dir)  # last: the files it names are already in place
+        report.patches += sum(e.kind == "patch" for e in new_entries)
+        report.anchors += sum(e.kind == "anchor" for e in new_entries)
         steps_done.append(step)
+        digest_at[step] = new_entries[0].target
         prev, last_step = path, step
     if keep is not None:
         report.pruned = _prune(manifest, out_dir, keep)
     return report
+
+
+def _fingerprint_or_none(path: Path) -> tuple | None:
+    try:
+        return _fingerprint(path)
+    except OSError:
+        return None
 
 
 def _prune(manifest: Manifest, out_dir: Path, keep: int) -> int:
@@ -210,27 +275,45 @@ def publish(train_dir: Path, out_dir: Path, *, watch: bool = False, interval: fl
             idle_exit: float | None = None, on_report=None, **kwargs) -> PublishReport:
     """`publish_once`, and with `watch` again every `interval` s.
 
-    `idle_exit` stops the watch that many seconds after the last new
-    checkpoint; the clock starts once something has been published, so a
-    publisher started before its trainer waits for the first checkpoint.
+    Without `watch`, it still waits (up to ONE_SHOT_WAIT s) for checkpoints
+    that are only settling, so that publishing right after a trainer exits
+    takes its last steps. `idle_exit` stops the watch that many seconds after
+    the last new checkpoint; the clock starts once something has been
+    published, so a publisher started before its trainer waits for the first
+    checkpoint. The returned report's `pending` says what is not published.
     """
+    if not interval > 0:
+        raise UsageError("--interval must be a positive number of seconds")
     total = PublishReport()
     last_change = time.monotonic() if Manifest.load(out_dir) else None
+    started = time.monotonic()
     while True:
         report = publish_once(train_dir, out_dir, **kwargs)
-        for field in ("patches", "anchors", "pruned"):
-            setattr(total, field, getattr(total, field) + getattr(report, field))
+        for name in ("patches", "anchors", "pruned"):
+            setattr(total, name, getattr(total, name) + getattr(report, name))
+        total.pending, total.skipped = report.pending, report.skipped
         if report.patches or report.anchors:
             last_change = time.monotonic()
             if on_report:
                 on_report(report)
-        idle = last_change is not None and idle_exit is not None and time.monotonic() - last_change >= idle_exit
-        if not watch or idle:
+        if watch:
+            if last_change is not None and idle_exit is not None and time.monotonic() - last_change >= idle_exit:
+                return total
+        elif not report.settling or time.monotonic() - started >= ONE_SHOT_WAIT:
             return total
-        time.sleep(interval)
+        time.sleep(interval if watch else min(interval, 0.5))
 
 
 # -- catching up -----------------------------------------------------------------------
+#
+# The manifest chooses the chain; the files decide what is true. Every file on
+# the chain is checked before use: its size against its entry (a half-fetched
+# file), its checksums (damage), and its own header's precision, base and
+# target digests against its entry (a mislabelled file). A missing or damaged
+# file is dropped and another chain tried; a file that is intact but says
+# something else than the manifest makes the manifest untrustworthy, so
+# catch-up stops. The step reported is the one the manifest lists for the
+# digest of what was actually rebuilt.
 
 
 @dataclass(frozen=True)
@@ -241,6 +324,7 @@ class CatchUpResult:
     files: list[str]  # the chain applied, in order
     from_anchor: bool
     skipped: list[str]  # files found missing or damaged on the way
+    problems: dict[str, str] = field(default_factory=dict)  # skipped file -> what was wrong with it
 
 
 @dataclass(frozen=True)
@@ -264,6 +348,14 @@ def _where_we_are(checkpoint: Path, patch_dir: Path, progress: Progress):
     return manifest, ids, checkpoint_digest(ids.values()) if ids is not None else None
 
 
+def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
+    """(step, digest) of every step newer than the checkpoint's, newest first: when the newest cannot
+    be reached (its only patch is damaged, say), the newest reachable step is still progress."""
+    have_step = manifest.step_of(have) if have else None
+    floor = -1 if have_step is None else have_step
+    return sorted({(e.step, e.target) for e in manifest.entries if e.step > floor}, reverse=True)
+
+
 def plan_catch_up(checkpoint: Path, patch_dir: Path, *, progress: Progress = SILENT) -> CatchUpPlan:
     """The files catch-up would apply, judged from the manifest alone (the files need not be here).
 
@@ -274,15 +366,16 @@ def plan_catch_up(checkpoint: Path, patch_dir: Path, *, progress: Progress = SIL
     newest = manifest.newest
     if have == newest.target:
         return CatchUpPlan(newest.step, [], False)
-    path = _cheapest_path(manifest.entries, have, newest.target, set())
-    if path is None:
+    paths = cheapest_paths(manifest.entries, have)
+    if not paths.reaches(newest.target):
         raise PulsediffError(f"the manifest in {patch_dir} has no chain from {checkpoint} to step {newest.step}")
+    path = paths.path_to(newest.target)
     return CatchUpPlan(newest.step, [e.file for e in path], path[0].kind == "anchor")
 
 
 def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, device: str | None = None,
              progress: Progress = SILENT) -> CatchUpResult:
-    from .apply import apply_chain, verify_patch_file
+    from .apply import apply_chain
 
     manifest, ids, have = _where_we_are(checkpoint, patch_dir, progress)
     newest = manifest.newest
@@ -291,66 +384,64 @@ def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, devi
         if out is not None and out != checkpoint and not out.exists():
             apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress, base_ids=ids)
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
-    have_step = max((e.step for e in manifest.entries if e.target == have), default=-1)
-    # Targets to aim for, newest first: when the newest cannot be reached (its only
-    # patch is damaged, say), the newest reachable step is still progress.
-    goals = sorted({(e.step, e.target) for e in manifest.entries if e.step > have_step}, reverse=True)
-    bad: set[str] = set()
-    for step, goal in goals:
-        while True:
-            path = _cheapest_path(manifest.entries, have, goal, bad)
-            if path is None:
-                break
-            damaged = [e.file for e in path if not _intact(patch_dir / e.file, verify_patch_file)]
-            if damaged:
-                bad.update(damaged)
-                continue
-            from_anchor = path[0].kind == "anchor"
-            files = [patch_dir / e.file for e in path]
-            apply_chain(None if from_anchor else checkpoint, files, out_path, device=device, progress=progress,
-                        base_ids=None if from_anchor else ids)
-            status = "applied" if step == newest.step else "partial"
-            return CatchUpResult(status, out_path, step, [e.file for e in path], from_anchor, sorted(bad))
-    raise PulsediffError(
-        f"cannot reach any newer step from {checkpoint}: no intact chain in {patch_dir}"
-        + (f" (missing or damaged: {', '.join(sorted(bad))})" if bad else ""))
+    goals = _goals(manifest, have)
+    problems = {e.file: "missing" for e in manifest.entries if not (patch_dir / e.file).is_file()}
+    trusted: set[str] = set()
+    while True:  # one search, then again only after a file on the chosen chain turned out damaged
+        paths = cheapest_paths(manifest.entries, have, set(problems))
+        goal = next((digest for _, digest in goals if paths.reaches(digest)), None)
+        if goal is None:
+            raise PulsediffError(
+                f"cannot reach any newer step from {checkpoint}: no intact chain in {patch_dir}"
+                + (f" ({_describe(problems)})" if problems else ""))
+        chain = paths.path_to(goal)
+        for e in chain:
+            if e.file not in trusted:
+                problem = _check_file(patch_dir, e, manifest.precision)
+                if problem is None:
+                    trusted.add(e.file)
+                else:
+                    problems[e.file] = problem
+        if all(e.file in trusted for e in chain):
+            break
+    from_anchor = chain[0].kind == "anchor"
+    result = apply_chain(None if from_anchor else checkpoint, [patch_dir / e.file for e in chain], out_path,
+                         device=device, progress=progress, base_ids=None if from_anchor else ids)
+    step = manifest.step_of(result.header.target_digest)  # the digest rebuilt and verified, not a label
+    status = "applied" if step == newest.step else "partial"
+    return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems)
 
 
-def _intact(path: Path, verify) -> bool:
-    try:
-        verify(path)
-        return True
-    except PulsediffError:
-        return False
+def _describe(problems: dict[str, str]) -> str:
+    shown = sorted(problems.items())[:10]
+    more = f", and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    return "; ".join(f"{name}: {why}" for name, why in shown) + more
 
 
-def _cheapest_path(entries: list[Entry], have: str | None, goal: str, bad: set[str]) -> list[Entry] | None:
-    """Dijkstra over digests, from the checkpoint's digest or the empty one.
+def _check_file(patch_dir: Path, e: Entry, precision: str) -> str | None:
+    """Why the file for entry `e` cannot be used (missing, half-fetched, damaged), or None.
 
-    A link costs its file's bytes, weighted by FETCH_WEIGHT (they cross the
-    network: at 1 Gbit/s a byte takes about as long as decoding 8 bytes of
-    checkpoint), plus the checkpoint's size (applying any link is about one
-    pass over the whole checkpoint). So a long chain of tiny patches loses to
-    a few skip patches, and an anchor wins only when no short chain exists.
+    A file that is intact but whose header contradicts its entry raises:
+    then the manifest is not telling the truth about the series.
     """
-    edges: dict[str, list[Entry]] = {}
-    for e in entries:
-        if e.file not in bad:
-            edges.setdefault(e.base, []).append(e)
-    starts = {EMPTY_DIGEST} | ({have} if have else set())
-    queue = [(0, i, d) for i, d in enumerate(sorted(starts))]
-    best: dict[str, tuple[int, list[Entry]]] = {d: (0, []) for d in starts}
-    counter = len(queue)
-    while queue:
-        cost, _, node = heapq.heappop(queue)
-        if node == goal:
-            return best[node][1]
-        if cost > best[node][0]:
-            continue
-        for e in edges.get(node, []):
-            new_cost = cost + FETCH_WEIGHT * e.bytes + e.target_bytes
-            if e.target not in best or new_cost < best[e.target][0]:
-                best[e.target] = (new_cost, best[node][1] + [e])
-                counter += 1
-                heapq.heappush(queue, (new_cost, counter, e.target))
+    from .apply import verify_patch_file
+
+    path = patch_dir / e.file
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "missing"
+    if size != e.bytes:
+        return f"{size} bytes, the manifest says {e.bytes}"
+    try:
+        header = verify_patch_file(path)
+    except PulsediffError as exc:
+        return f"damaged ({exc})"
+    said = (precision, e.base, e.target, e.target_bytes)
+    found = (header.precision, header.base_digest, header.target_digest, header.target_bytes)
+    if found != said:
+        what = [w for w, a, b in zip(("precision", "base digest", "target digest", "target size"), said, found) if a != b]
+        raise InvalidManifestError(str(patch_dir / MANIFEST),
+                                   f"the entry for {e.file} (step {e.step}) does not match the file's own header "
+                                   f"({', '.join(what)} differ); nothing was applied")
     return None

@@ -143,7 +143,7 @@ def test_corrupted_patch_falls_back_and_never_gives_a_wrong_result(pipeline):
     ckpt = start_at_step(root, train, 5, "w-bad.safetensors")
     proc = catch_up(ckpt, copy, quiet=False)
     assert proc.returncode == 0, proc.stderr.decode()
-    assert "skipped missing or damaged: patch-00000005-00000006.pulsediff" in proc.stderr.decode()
+    assert "skipped patch-00000005-00000006.pulsediff: damaged" in proc.stderr.decode()
     assert "from an anchor" in proc.stderr.decode()
     assert ckpt.read_bytes() == (train / f"step_{STEPS:06d}.safetensors").read_bytes()
 

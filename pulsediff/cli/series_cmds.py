@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -21,13 +21,20 @@ def publish(
     watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
     idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many seconds with no new checkpoint.")] = None,
-    pattern: Annotated[str, typer.Option("--step-pattern", help="Regex whose first group is the step number in a name.")] = r"(\d+)",
+    pattern: Annotated[Optional[str], typer.Option("--step-pattern", help="Regex whose first matching group is the step "
+                       "number in a name. Default: the number after 'step', else the last number.")] = None,
+    ready: Annotated[Literal["stable", "marker"], typer.Option("--ready", help="When a checkpoint is complete: stable (its files unchanged for "
+                     "--settle seconds, and again after reading it) or marker (a NAME.done file beside it, written by "
+                     "the trainer once the checkpoint is closed).")] = "stable",
+    settle: Annotated[float, typer.Option("--settle", help="Seconds a checkpoint's files must be unchanged "
+                      "before it is published (--ready stable).")] = 2.0,
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
     quiet: Quiet = False,
 ) -> None:
     """Turn a trainer's checkpoints into patches and anchors that workers can rsync."""
+    from ..series import DEFAULT_STEP_PATTERN
     from ..series import publish as run
 
     out = Output(quiet=quiet)
@@ -36,10 +43,15 @@ def publish(
         out.info(f"published {report.patches} patches and {report.anchors} anchors into {out_dir}")
 
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
-                anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device, pattern=pattern)
+                anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device,
+                pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle)
+    for name, why in total.skipped.items():
+        out.info(f"skipped {name}: {why}")
+    for name, why in total.pending.items():
+        out.info(f"not published yet: {name} ({'still being written' if why == 'settling' else why})")
     if total.pruned:
         out.info(f"pruned {total.pruned} files older than the newest {keep} anchors")
-    if not (total.patches or total.anchors):
+    if not (total.patches or total.anchors or total.pending):
         out.info(f"{out_dir} is up to date with {train_dir}")
 
 
@@ -70,7 +82,7 @@ def catch_up(
     n = len(result.files)
     out.info(f"{result.output} is now at step {result.step}: applied {n} file{'s' if n != 1 else ''} from {start} "
              f"({', '.join(result.files)})")
-    if result.skipped:
-        out.info(f"skipped missing or damaged: {', '.join(result.skipped)}")
+    for name in result.skipped:
+        out.info(f"skipped {name}: {result.problems.get(name, 'missing or damaged')}")
     if result.status == "partial":
         raise PulsediffError(f"stopped at step {result.step}: the newest step cannot be reached from intact files")
