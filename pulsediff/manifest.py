@@ -89,9 +89,11 @@ class Manifest:
         except OSError as exc:
             raise InvalidManifestError(str(path), exc.strerror or str(exc)) from None
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
                 raise InvalidManifestError(str(path), "not a regular file")
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+            # read(n) allocates n bytes up front: ask for what is there (and one more, in case it grew).
+            data = f.read(min(st.st_size, MAX_MANIFEST_BYTES) + 1)
         if len(data) > MAX_MANIFEST_BYTES:
             raise InvalidManifestError(str(path), f"larger than {MAX_MANIFEST_BYTES} bytes")
         return parse_manifest(data, str(path))

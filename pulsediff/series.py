@@ -409,6 +409,11 @@ def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, devi
                          device=device, progress=progress, base_ids=None if from_anchor else ids)
     step = manifest.step_of(result.header.target_digest)  # the digest rebuilt and verified, not a label
     status = "applied" if step == newest.step else "partial"
+    # Worth saying: what was found wrong, and files missing from the chain the manifest itself points to
+    # (a worker that fetched only its plan lacks every other file, and that is no news).
+    planned = cheapest_paths(manifest.entries, have)
+    expected = {e.file for e in planned.path_to(newest.target)} if planned.reaches(newest.target) else set()
+    problems = {f: why for f, why in problems.items() if why != "missing" or f in expected}
     return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems)
 
 

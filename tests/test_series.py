@@ -264,6 +264,19 @@ def test_20000_entry_manifest_plans_in_under_2_s(tmp_path):
     assert elapsed < 2.0, f"planning took {elapsed:.2f} s"
 
 
+def test_20000_entry_manifest_plans_in_bounded_memory(tmp_path):
+    import tracemalloc
+
+    fake_chain_manifest(tmp_path, 20_000)
+    tracemalloc.start()
+    try:
+        plan_catch_up(tmp_path / "worker.safetensors", tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"planning peaked at {peak >> 20} MiB"  # paths as copied lists took gigabytes
+
+
 def test_20000_entries_with_missing_files_fail_fast(tmp_path):
     fake_chain_manifest(tmp_path, 20_000)
     t0 = time.perf_counter()
