@@ -15,6 +15,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from . import strict_json
 from .dtypes import DType, lookup
 
 # safetensors caps the header at 100 MB; a larger length field is refused
@@ -73,10 +74,9 @@ def read_header_length(prefix: bytes) -> int:
 def parse_header(raw: bytes, data_bytes_available: int) -> ParsedHeader:
     """Validate a header against the size of the data region that follows it."""
     try:
-        text = raw.decode("utf-8")
-        obj = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"header is not valid UTF-8 JSON ({exc.__class__.__name__})") from None
+        obj = strict_json.loads(raw)
+    except strict_json.JsonError as exc:
+        raise HeaderError(f"header is not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise HeaderError("header is not a JSON object")
 

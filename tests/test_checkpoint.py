@@ -43,7 +43,11 @@ def write_raw(path, header: dict | bytes, data: bytes = b"", length: int | None 
 @pytest.mark.parametrize("header,data,length,reason", [
     (b"", b"", 2**40, "exceeds"),
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, 10**6, "past the end"),
-    (b"not json", b"", None, "not valid UTF-8 JSON"),
+    (b"not json", b"", None, "not valid JSON"),
+    (b"\xff\xfe{}", b"", None, "not UTF-8"),
+    (b"[" * 50_000 + b"]" * 50_000, b"", None, "nested deeper"),  # RecursionError inside json before
+    (b'{"a": 1' + b"0" * 5000 + b"}", b"", None, "digits"),  # a bare ValueError before
+    (b'{"a": {}, "a": {}}', b"", None, "appears twice"),
     (b"[1,2]", b"", None, "not a JSON object"),
     ({"a": {"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None, "unsupported dtype"),
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, None, "do not match"),

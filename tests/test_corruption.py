@@ -201,3 +201,18 @@ def test_magic_and_version_are_pinned():
     assert MAGIC == b"PULSEDIF"
     assert FORMAT_MAJOR == 1
     assert PREAMBLE.size == 32
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"[" * 50_000 + b"]" * 50_000, "nested deeper"),  # RecursionError escaped before
+    (b'{"tool": 1' + b"0" * 5000 + b"}", "digits"),  # a bare ValueError escaped before
+    (b'{"tool": "a", "tool": "b"}', "appears twice"),
+])
+def test_hostile_header_json_is_a_corrupt_patch(raw, reason):
+    import zstandard
+
+    from pulsediff.errors import CorruptPatchError
+    from pulsediff.format import _decode_header_frame
+
+    with pytest.raises(CorruptPatchError, match=reason):
+        _decode_header_frame(zstandard.ZstdCompressor().compress(raw), "p")
