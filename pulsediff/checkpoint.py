@@ -24,12 +24,39 @@ import numpy as np
 from .dtypes import BF16, DType
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .memory import populate_read
-from .safetensors_io import HeaderError, ParsedHeader, TensorEntry, parse_header, read_header_length
+from .safetensors_io import MAX_HEADER_BYTES, HeaderError, ParsedHeader, TensorEntry, parse_header, read_header_length
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 PRECISIONS = ("exact", "bf16")
+
+
+# torch.save writes a zip archive (since PyTorch 1.6) or, before that, a bare pickle
+# (protocol 2 and up start with 0x80 then the protocol number).
+_ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_ADVICE = (
+    "it is a PyTorch pickle checkpoint (torch.save, .bin/.pt), which pulsediff does not load because "
+    "unpickling can run code; where you trust the file, convert it: "
+    "safetensors.torch.save_file(torch.load(PATH, weights_only=True), 'model.safetensors')"
+)
+
+
+def looks_like_pickle(prefix: bytes) -> bool:
+    """True for the first bytes of a torch.save file. Never unpickles anything.
+
+    A safetensors file's first 8 bytes are its header length, which may
+    happen to begin with the same bytes, but its 9th byte is always the
+    header's opening brace.
+    """
+    if prefix[8:9] == b"{":
+        return False
+    return prefix.startswith(_ZIP_MAGIC) or (len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5)
+
+
+def looks_like_safetensors(prefix: bytes) -> bool:
+    """True for the first 9 bytes of a safetensors file (header length in bounds, then a JSON object)."""
+    return len(prefix) >= 9 and prefix[8:9] == b"{" and 2 <= int.from_bytes(prefix[:8], "little") <= MAX_HEADER_BYTES
 
 
 def is_plain_filename(name: str) -> bool:
@@ -112,6 +139,9 @@ class Checkpoint:
         else:
             names = sorted(p.name for p in self.path.iterdir() if p.suffix == ".safetensors" and p.is_file())
             if not names:
+                pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+                if pickles:
+                    raise InvalidCheckpointError(str(self.path), f"folder holds {pickles[0]}: " + PICKLE_ADVICE)
                 raise InvalidCheckpointError(str(self.path), f"folder has no {INDEX_NAME} and no .safetensors files")
             for n in names:
                 self._add_shard(n, self.path / n)
@@ -119,6 +149,10 @@ class Checkpoint:
     def _add_shard(self, name: str, path: Path) -> None:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
+            prefix = f.read(9)
+            if looks_like_pickle(prefix):
+                raise InvalidCheckpointError(str(path), PICKLE_ADVICE)
+            f.seek(0)
             try:
                 n = read_header_length(f.read(8))
                 if 8 + n > size:

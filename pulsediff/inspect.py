@@ -23,9 +23,9 @@ def tensor_ids(view: TensorView, progress: Progress = SILENT) -> dict[str, Tenso
     return ids
 
 
-def checkpoint_digest_of(path: str | Path, precision: str = "exact") -> str:
+def checkpoint_digest_of(path: str | Path, precision: str = "exact", progress: Progress = SILENT) -> str:
     """The digest a patch records for this checkpoint as base or target."""
     if precision not in PRECISIONS:
         raise UsageError(f"unknown precision {precision!r}; choose exact or bf16")
     with Checkpoint(path) as ckpt:
-        return checkpoint_digest(tensor_ids(TensorView(ckpt, precision)).values())
+        return checkpoint_digest(tensor_ids(TensorView(ckpt, precision), progress).values())

@@ -8,27 +8,55 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from .options import Device, Quiet
+from .checks import check_output, check_patch_paths
+from .options import Device, Force, Json, Quiet
 from .output import Output
 
 
 def apply(
     base: Annotated[Path, typer.Argument(help="The checkpoint the (first) patch was made from.")],
-    patches: Annotated[list[str], typer.Argument(help="Patch files in order (a chain), or - to read one from stdin.")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Where to write the rebuilt checkpoint.")] = None,
+    patches: Annotated[list[str], typer.Argument(metavar="PATCH...", help="Patch files in order (a chain), or - to read one from stdin.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="OUT", help="Where to write the rebuilt checkpoint (it must not exist, unless -f).")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace BASE with the rebuilt checkpoint (atomically).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Check the patches and BASE's digest and say what would be written; write nothing.")] = False,
     device: Device = "auto",
+    force: Force = False,
     quiet: Quiet = False,
+    as_json: Json = False,
 ) -> None:
     """Rebuild the target checkpoint from BASE and a patch (or a chain of patches), verified bit for bit."""
-    from ..apply import apply_chain
-
     if in_place == (output is not None):
         raise UsageError("give exactly one of -o OUT or --in-place")
-    out = Output(quiet=quiet)
-    result = apply_chain(base, patches, output, in_place=in_place, device=device, progress=out.progress())
-    if result.status == "up-to-date":
-        out.info(f"{result.output} is already up to date ({result.header.target_digest})")
+    if output is not None:
+        check_output(output, force=force)
+    check_patch_paths(patches)
+    from ..apply import apply_chain, verify_patch_file
+
+    out = Output(quiet=quiet, as_json=as_json)
+    if dry_run:  # every section's checksum too, where the patch is a file that can be read twice
+        for p in patches:
+            if p != "-":
+                verify_patch_file(p)
+    result = apply_chain(base, patches, output, in_place=in_place, device=device, progress=out.progress(),
+                         dry_run=dry_run)
+    target = result.header.target_digest
+    if as_json:
+        out.json({"output": str(result.output), "status": result.status, "dry_run": result.dry_run,
+                  "patches_applied": result.links_applied, "base_is_target": result.base_is_target,
+                  "target_digest": target})
+        return
+    would = "would write" if result.dry_run else "wrote"
+    if result.base_is_target:
+        # Also what a patch made the wrong way round looks like: `make NEW OLD` applied to OLD.
+        state = "is already up to date: it" if result.status == "up-to-date" else "already"
+        out.warn(f"{base} {state} is the patch's target ({target}), so the patch changes nothing; "
+                 "if you expected a change, OLD and NEW were probably swapped when the patch was made")
+        if result.status != "up-to-date":
+            out.info(f"{would} {result.output} (a copy of {base})")
+    elif result.status == "up-to-date":
+        out.info(f"{result.output} is already up to date ({target})")
     else:
-        links = {0: ", the base already held the target", 1: ""}.get(result.links_applied, f", {result.links_applied} patches")
-        out.info(f"wrote {result.output} ({result.header.target_digest}, verified{links})")
+        n = result.links_applied
+        links = "" if n == 1 else f", {n} patches"
+        verified = "all checks passed" if result.dry_run else "verified"
+        out.info(f"{would} {result.output} ({target}, {verified}{links})")

@@ -7,20 +7,26 @@ from typing import Annotated
 
 import typer
 
-from .options import Json, Precision
+from .options import Json, Precision, Quiet
 
 
 def digest(
-    checkpoint: Annotated[Path, typer.Argument(help="A .safetensors file or a folder of shards.")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CKPT", help="A .safetensors file or a folder of shards.")],
     precision: Precision = "exact",
+    quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Print a checkpoint's digest: its tensors' names, dtypes, shapes and bytes, not its file layout."""
+    """Print one line: the digest patches record for CKPT as their base or target (xxh128: and 32 hex digits).
+
+    It hashes the tensors' names, dtypes, shapes and bytes, not the file
+    layout: a single file and the same tensors in shards have one digest.
+    """
     from ..inspect import checkpoint_digest_of
     from .output import Output
 
-    value = checkpoint_digest_of(checkpoint, precision=precision)
+    out = Output(quiet=quiet, as_json=as_json)
+    value = checkpoint_digest_of(checkpoint, precision=precision, progress=out.progress())
     if as_json:
-        Output().json({"path": str(checkpoint), "precision": precision, "digest": value})
+        out.json({"path": str(checkpoint), "precision": precision, "digest": value})
     else:
-        print(value)
+        out.line(value)

@@ -1,8 +1,13 @@
-"""Assembles the typer app and maps every failure to one line and an exit code.
+"""Assembles the typer app and maps every outcome to one line and an exit code.
 
-Exit codes: 0 success, 1 an error pulsediff explains (bad input, mismatch,
-I/O), 2 a usage error, 3 an internal error (a bug: please report it), 130
-interrupted. Set PULSEDIFF_DEBUG=1 to see tracebacks.
+Exit codes (README.md's table says the same; tests/test_cli.py checks both):
+0 success, 1 an error pulsediff explains (bad input, mismatch, I/O), 2 a
+usage error (ours or the command line parser's), 3 an internal error (a bug:
+please report it), 130 interrupted. Set PULSEDIFF_DEBUG=1 to see tracebacks.
+
+The app runs in click's non-standalone mode so that every outcome comes back
+here: in standalone mode typer prints usage errors as a five-line box and turns
+Ctrl-C into a silent exit 130 before this module could say a word.
 """
 
 from __future__ import annotations
@@ -12,8 +17,15 @@ import sys
 
 import typer
 
-from ..errors import PulsediffError
+from ..errors import PulsediffError, UsageError
 from . import apply_cmd, demo_cmd, digest_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
+
+try:  # typer >= 0.20 ships its own copy of click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click.exceptions import ClickException, NoArgsIsHelpError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 app = typer.Typer(
     name="pulsediff",
@@ -48,32 +60,138 @@ def _root(
     pass
 
 
-def _fail(message: str, code: int) -> None:
-    sys.stderr.write(f"pulsediff: error: {message}\n")
-    sys.exit(code)
+# What the help shows after an option's name, by the Python type typer inferred.
+_METAVARS = {"int": "N", "float": "NUMBER", "str": "TEXT", "Path": "PATH"}
 
 
-def main() -> None:
-    if os.environ.get("PULSEDIFF_DEBUG") == "1":
-        app(prog_name="pulsediff")
-        return
+def _tidy_help(command, parent=None) -> None:
+    """Help in the usual shape: `-o PATH`, `--precision exact|bf16`, flags bare, arguments by name.
+
+    typer labels every parameter with its Python type (`<bool>` on a flag,
+    `<list[str]>` on a list of files), which tells a user nothing the name and
+    the help do not. An explicit metavar wins; arguments show none (their name
+    is their metavar).
+    """
+    from typer.core import TyperArgument, TyperOption
+
+    ctx = command.context_class(command, parent=parent, **command.context_settings)
+    for sub in getattr(command, "commands", {}).values():
+        _tidy_help(sub, ctx)
+    help_option = command.get_help_option(ctx)  # made once per command and kept: tidy it too
+    for param in [*command.params, *([help_option] if help_option is not None else [])]:
+        if isinstance(param, TyperArgument):
+            if param.metavar is None:
+                param.metavar = param.name.upper()
+            param.display_type_rich = lambda ctx: None  # the rich help's type column
+            param.display_type = lambda ctx: ""  # the plain help's (TYPER_USE_RICH=0)
+        elif isinstance(param, TyperOption) and param.metavar is None:
+            desc = getattr(param, "type_descriptor", None)
+            if param.is_flag or param.count:
+                param.metavar = ""
+            elif desc is not None and desc.is_choice and desc.choices:
+                param.metavar = "|".join(str(getattr(c, "value", c)) for c in desc.choices)
+            else:
+                annotation = getattr(desc, "annotation", None)
+                param.metavar = _METAVARS.get(getattr(annotation, "__name__", ""), "VALUE")
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"pulsediff: {line}\n")
+    sys.stderr.flush()
+
+
+def _usage_line(exc: ClickException) -> str:
+    """A parser error as one line, with where to read more."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    message = message.replace(": Value error, ", ": ")  # pydantic's prefix on a bad choice
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    return message
+
+
+def _silence_stdout() -> None:
+    """Nothing more reaches stdout: what is still buffered goes to /dev/null at exit.
+
+    After a write to stdout failed (disk full, a closed pipe), Python would try
+    to flush the same buffer again at exit, fail again and print "Exception
+    ignored ..." with exit code 120: the result would depend on how much was
+    still buffered.
+    """
     try:
-        app(prog_name="pulsediff")
-    except PulsediffError as exc:
-        _fail(str(exc), 1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _flush_stdout() -> None:
+    """Flush what an earlier, successful part of the command printed; silence stdout if that fails."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        _silence_stdout()
+
+
+def _run(argv: list[str] | None) -> int:
+    """Run the command line; return the exit code. Errors are reported here, as one line on stderr."""
+    command = typer.main.get_command(app)
+    _tidy_help(command)
+    debug = os.environ.get("PULSEDIFF_DEBUG") == "1"
+    try:
+        code = command.main(args=argv, prog_name="pulsediff", standalone_mode=False)
+    except NoArgsIsHelpError:
+        return EXIT_USAGE  # the help is printed already
+    except ClickException as exc:
+        _say(f"error: {_usage_line(exc)}")
+        return exc.exit_code
+    except UsageError as exc:
+        _say(f"error: {exc}")
+        return EXIT_USAGE
     except KeyboardInterrupt:
-        _fail("interrupted; nothing was written", 130)
-    except BrokenPipeError:
-        # The reader of our stdout went away (e.g. `| head`): not our error to report.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
-    except MemoryError:
-        _fail("out of memory", 1)
-    except OSError as exc:
+        code = EXIT_INTERRUPTED
+    except typer.Abort:  # typer's answer to EOF on a prompt; pulsediff has none
+        _say("error: aborted")
+        return EXIT_ERROR
+    except SystemExit as exc:  # typer's own exit on a broken pipe
+        if exc.code not in (0, None):
+            _silence_stdout()
+        raise
+    except Exception as exc:
+        if debug:
+            raise
+        _report(exc)
+        return EXIT_BUG if not isinstance(exc, (PulsediffError, OSError, MemoryError)) else EXIT_ERROR
+    if code == EXIT_INTERRUPTED:  # typer turned Ctrl-C into Exit(130)
+        _silence_stdout()  # a half-written patch on stdout is not worth another error
+        _say("interrupted; no partial output was left")
+        return EXIT_INTERRUPTED
+    return code or EXIT_OK
+
+
+def _report(exc: BaseException) -> None:
+    if isinstance(exc, BrokenPipeError):
+        _silence_stdout()  # the reader of our stdout went away (e.g. `| head`): not our error to report
+        return
+    if isinstance(exc, OSError):
+        _silence_stdout()
+    else:
+        _flush_stdout()
+    if isinstance(exc, PulsediffError):
+        _say(f"error: {exc}")
+    elif isinstance(exc, MemoryError):
+        _say("error: out of memory")
+    elif isinstance(exc, OSError):
         where = f": {exc.filename}" if exc.filename else ""
-        _fail(f"{exc.strerror or exc}{where}", 1)
-    except Exception as exc:  # a bug: one line, and how to see more
-        _fail(f"internal error ({exc.__class__.__name__}: {exc}); rerun with PULSEDIFF_DEBUG=1 for a traceback", 3)
+        _say(f"error: {exc.strerror or exc}{where}")
+    else:  # a bug: one line, and how to see more
+        _say(f"error: internal error ({exc.__class__.__name__}: {exc}); "
+             "rerun with PULSEDIFF_DEBUG=1 for a traceback, and please report it")
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(_run(argv))
 
 
 if __name__ == "__main__":

@@ -7,28 +7,39 @@ from typing import Annotated
 
 import typer
 
-from .options import DEFAULT_CODEC, Codec, Device, Precision, Quiet
+from ..errors import UsageError
+from .checks import check_output
+from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
 from .output import Output, human_bytes
 
 
 def make(
     old: Annotated[Path, typer.Argument(help="Base checkpoint: a .safetensors file or a folder of shards.")],
     new: Annotated[Path, typer.Argument(help="Target checkpoint, same forms.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Patch file to write, or - for stdout.")],
+    output: Annotated[str, typer.Option("--output", "-o", metavar="PATCH", help="Patch file to write, or - for stdout.")],
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
+    force: Force = False,
     quiet: Quiet = False,
+    as_json: Json = False,
 ) -> None:
     """Diff two checkpoints into a patch."""
+    if as_json and output == "-":
+        raise UsageError("--json prints on stdout, which -o - uses for the patch")
+    check_output(output, force=force)
     from ..make import make_patch
 
-    out = Output(quiet=quiet)
+    out = Output(quiet=quiet, as_json=as_json)
     header = make_patch(old, new, output, precision=precision, codec=codec, device=device, progress=out.progress())
-    if output != "-":
-        changed = sum(t.changed for t in header.tensors)
-        total = sum(t.numel for t in header.tensors)
-        size = Path(output).stat().st_size
+    changed = sum(t.changed for t in header.tensors)
+    total = sum(t.numel for t in header.tensors)
+    size = Path(output).stat().st_size if output != "-" else None
+    if as_json:
+        out.json({"output": output, "bytes": size, "precision": header.precision, "elements": total,
+                  "changed": changed, "base_digest": header.base_digest, "target_digest": header.target_digest,
+                  "target_bytes": header.target_bytes})
+    elif size is not None:
         out.info(
             f"wrote {output}: {human_bytes(size)} for {changed:,} of {total:,} elements changed "
             f"({100 * changed / max(total, 1):.3f}%), {header.target_bytes / max(size, 1):.1f}x smaller than the target"

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or messages; errors still go to stderr.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout (messages still go to stderr).")]
+Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output (and write binary to a terminal with -o -).")]
 Device = Annotated[
     str,
-    typer.Option("--device", help="Kernel backend: auto (CUDA when a GPU is usable), cpu or cuda.", envvar="PULSEDIFF_DEVICE"),
+    typer.Option("--device", metavar="auto|cpu|cuda", help="Kernel backend: auto (CUDA when a GPU is usable), cpu or cuda.",
+                 envvar="PULSEDIFF_DEVICE"),
 ]
-# Mirrors pulsediff.codecs.DEFAULT_SPARSE_CODEC (importing that would load numba on --help);
-# tests/test_cli.py checks they agree.
+# These mirror pulsediff.codecs (DEFAULT_SPARSE_CODEC, SPARSE_CODECS) and pulsediff.checkpoint.PRECISIONS:
+# importing those would load numba and numpy on --help. tests/test_cli.py checks they agree.
 DEFAULT_CODEC = "ctx-rans"
+CODECS = ("ctx-rans", "gap-zstd")
+PRECISIONS = ("exact", "bf16")
 Codec = Annotated[
-    str,
+    Literal["ctx-rans", "gap-zstd"],
     typer.Option("--codec", help="Codec for changed tensors: ctx-rans (base-context positions, base-relative "
                  "values; smallest) or gap-zstd (the PULSESync paper's)."),
 ]
-Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of a table.")]
 Precision = Annotated[
-    str,
+    Literal["exact", "bf16"],
     typer.Option(
         "--precision",
         help="exact: compare every tensor bit for bit in its own dtype. "

@@ -39,7 +39,12 @@ class Output:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.err.print(message, soft_wrap=True)  # a log line: never broken across lines
+            self.err.print(message, soft_wrap=True, markup=False)  # a log line: never broken across lines
+
+    def warn(self, message: str) -> None:
+        """Something the user should know although the command succeeds (silenced by -q)."""
+        if not self.quiet:
+            self.err.print(f"pulsediff: warning: {message}", soft_wrap=True, markup=False)
 
     def line(self, text: str) -> None:
         """One plain line on stdout, for other programs to read (no markup, no wrapping)."""

@@ -7,24 +7,35 @@ from typing import Annotated
 
 import typer
 
-from .options import DEFAULT_CODEC, Codec, Device, Quiet
+from ..errors import UsageError
+from .checks import check_output, check_patch_paths
+from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Quiet
 from .output import Output, human_bytes
 
 
 def squash(
     base: Annotated[Path, typer.Argument(help="The first patch's base checkpoint.")],
-    patches: Annotated[list[Path], typer.Argument(help="The chain, in order.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Squashed patch to write, or - for stdout.")],
+    patches: Annotated[list[Path], typer.Argument(metavar="PATCH...", help="The chain, in order.")],
+    output: Annotated[str, typer.Option("--output", "-o", metavar="PATCH", help="Squashed patch to write, or - for stdout.")],
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
+    force: Force = False,
     quiet: Quiet = False,
+    as_json: Json = False,
 ) -> None:
     """Make one patch from BASE straight to the end of a chain (for a worker many steps behind)."""
+    if as_json and output == "-":
+        raise UsageError("--json prints on stdout, which -o - uses for the patch")
+    check_output(output, force=force)
+    check_patch_paths(patches)
     from ..squash import squash_patches
 
-    out = Output(quiet=quiet)
-    squash_patches(base, patches, output, codec=codec, device=device, progress=out.progress())
-    if output != "-":
-        size = Path(output).stat().st_size
-        links = sum(p.stat().st_size for p in patches)
+    out = Output(quiet=quiet, as_json=as_json)
+    header = squash_patches(base, patches, output, codec=codec, device=device, progress=out.progress())
+    size = Path(output).stat().st_size if output != "-" else None
+    links = sum(p.stat().st_size for p in patches)
+    if as_json:
+        out.json({"output": output, "bytes": size, "patches": len(patches), "patches_bytes": links,
+                  "base_digest": header.base_digest, "target_digest": header.target_digest})
+    elif size is not None:
         out.info(f"wrote {output}: {human_bytes(size)} for {len(patches)} patches of {human_bytes(links)} in all")

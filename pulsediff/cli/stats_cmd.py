@@ -2,39 +2,48 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import UsageError
-from .options import DEFAULT_CODEC, Codec, Device, Json, Precision
+from .options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet
 from .output import Output, human_bytes
 
 
 def stats(
-    first: Annotated[Path, typer.Argument(metavar="PATCH | OLD | DIR",
+    first: Annotated[Path, typer.Argument(metavar="PATCH|OLD|DIR",
                                           help="A patch, the base checkpoint of a pair, or a folder of checkpoints (a series).")],
-    second: Annotated[Optional[Path], typer.Argument(metavar="[NEW]", help="The target checkpoint, when FIRST is a base.")] = None,
+    second: Annotated[Optional[Path], typer.Argument(metavar="NEW", help="The target checkpoint, when FIRST is a base.")] = None,
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
-    top: Annotated[int, typer.Option("--top", help="Tensors to list, largest patch share first (0: all).")] = 20,
+    top: Annotated[int, typer.Option("--top", metavar="N", help="Tensors to list, largest patch share first (0: all).")] = 20,
     device: Device = "auto",
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="For a series: draw density per step and the k-step curve into this PNG (needs matplotlib).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="For a series: draw density per step and the k-step curve into this PNG (needs matplotlib).")] = None,
+    step_pattern: Annotated[Optional[str], typer.Option("--step-pattern", metavar="REGEX", help="For a series: a regex whose first group is the step number in a checkpoint's name [default: as publish reads names].")] = None,
+    quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Sparsity and size statistics of a patch, of the patch a checkpoint pair would make, or of a series."""
     from ..stats import stats_of_pair, stats_of_patch_file
 
+    out = Output(quiet=quiet, as_json=as_json)
     if second is None and first.is_dir():
-        return _series(first, precision, device, plot, as_json)
+        if _is_checkpoint_folder(first):
+            raise UsageError(f"{first} is a checkpoint (a folder of shards), not a patch or a series folder; "
+                             "give OLD NEW to compare two checkpoints")
+        return _series(first, precision, device, plot, step_pattern, out)
     if plot is not None:
         raise UsageError("--plot is for a folder of checkpoints (a series)")
+    if step_pattern is not None:
+        raise UsageError("--step-pattern is for a folder of checkpoints (a series)")
     if second is None:
+        _refuse_checkpoint_as_patch(first)
         s = stats_of_patch_file(first)
     else:
-        s = stats_of_pair(first, second, precision=precision, codec=codec, device=device)
-    out = Output(as_json=as_json)
+        s = stats_of_pair(first, second, precision=precision, codec=codec, device=device, progress=out.progress())
     if as_json:
         out.json(s.to_json())
         return
@@ -77,11 +86,43 @@ def stats(
     )
 
 
-def _series(folder: Path, precision: str, device: str, plot: Optional[Path], as_json: bool) -> None:
+def _is_checkpoint_folder(folder: Path) -> bool:
+    """A folder that is one checkpoint (shards with their index, or HF-named shards), not a series of them."""
+    from ..checkpoint import INDEX_NAME
+
+    if (folder / INDEX_NAME).is_file():
+        return True
+    files = [p.name for p in folder.iterdir() if p.suffix == ".safetensors" and p.is_file()]
+    return bool(files) and all(_SHARD_NAME.search(name) for name in files)
+
+
+_SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
+
+
+def _refuse_checkpoint_as_patch(path: Path) -> None:
+    """A checkpoint given where a patch belongs: say so instead of "bad magic bytes"."""
+    from ..checkpoint import PICKLE_ADVICE, looks_like_pickle, looks_like_safetensors
+
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(9)
+    except OSError:
+        return  # reading the patch will say what is wrong
+    if looks_like_safetensors(prefix):
+        raise UsageError(f"{path} is a checkpoint, not a patch or a series folder; give OLD NEW to compare two checkpoints")
+    if looks_like_pickle(prefix):
+        raise UsageError(f"{path} is not a patch: {PICKLE_ADVICE}")
+
+
+def _series(folder: Path, precision: str, device: str, plot: Optional[Path], step_pattern: Optional[str],
+            out: Output) -> None:
+    from ..series import DEFAULT_STEP_PATTERN
     from ..series_stats import series_stats
 
-    s = series_stats(folder, precision=precision, device=device)
-    out = Output(as_json=as_json)
+    if step_pattern is not None:
+        _check_pattern(step_pattern)
+    s = series_stats(folder, precision=precision, device=device, pattern=step_pattern or DEFAULT_STEP_PATTERN)
+    as_json = out.as_json
     if plot is not None:
         from ..series_stats import plot_series
 
@@ -97,3 +138,12 @@ def _series(folder: Path, precision: str, device: str, plot: Optional[Path], as_
               [(d["k"], d["pairs"], f"{100 * d['density']:.4f}%") for d in s.k_step_density], right=(0, 1, 2))
     out.table("density by layer type", ["layer type", "density"],
               [(k, f"{100 * v:.4f}%") for k, v in s.layer_density.items()], right=(1,))
+
+
+def _check_pattern(pattern: str) -> None:
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as exc:
+        raise UsageError(f"--step-pattern {pattern!r} is not a valid regex: {exc}") from None
+    if groups < 1:
+        raise UsageError(f"--step-pattern {pattern!r} needs a group around the step number, e.g. 'step_(\\d+)'")

@@ -1,0 +1,47 @@
+"""Checks a command makes before any work: where its output goes.
+
+Like zstd and rsync, pulsediff does not replace an existing output unless told
+to (-f/--force), does not create missing folders for it, and does not pour
+binary onto a terminal. The library's own functions overwrite: these are the
+command line's promises, checked here so that a refusal costs nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError, InvalidPatchError, OutputError, OutputExistsError
+
+
+def check_output(path: str | Path, *, force: bool) -> None:
+    """OUT may be written: it does not exist (or `force`), and its folder does."""
+    if str(path) == "-":
+        check_stdout_for_binary(force=force)
+        return
+    out = Path(path)
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputExistsError(str(out))
+    parent = out.parent
+    if not parent.exists():
+        raise OutputError(f"cannot write {out}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {out}: {parent} is not a folder")
+
+
+def check_stdout_for_binary(*, force: bool) -> None:
+    if not force and sys.stdout.isatty():
+        raise OutputError("refusing to write a binary patch to a terminal; redirect or pipe stdout "
+                          "(-o - | pulsediff apply ...), or give -f/--force")
+
+
+def check_patch_paths(patches: list) -> None:
+    """Patch arguments name files (or - for stdin): a folder or a missing file is said as such."""
+    for p in patches:
+        if str(p) == "-":
+            continue
+        path = Path(p)
+        if path.is_dir():
+            raise InvalidPatchError(f"{path} is a folder, not a patch file")
+        if not path.exists():
+            raise CheckpointNotFoundError(str(path), "patch")
