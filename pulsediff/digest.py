@@ -17,6 +17,7 @@ flipped bits), not an attacker who controls both patch and checkpoint.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Iterable
@@ -53,12 +54,13 @@ def checkpoint_digest(tensors: Iterable[TensorId]) -> str:
     return DIGEST_PREFIX + h.hexdigest()
 
 
+_DIGEST = re.compile(re.escape(DIGEST_PREFIX) + "[0-9a-f]{32}")
+_TENSOR_HASH = re.compile("[0-9a-f]{32}")
+
+
 def is_digest(value: object) -> bool:
-    if not isinstance(value, str) or not value.startswith(DIGEST_PREFIX):
-        return False
-    hexpart = value[len(DIGEST_PREFIX):]
-    return len(hexpart) == 32 and all(c in "0123456789abcdef" for c in hexpart)
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
 
 def is_tensor_hash(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _TENSOR_HASH.fullmatch(value) is not None

@@ -1,0 +1,47 @@
+"""strict_json: the nesting scan agrees with the parsed depth on any JSON, and the bounds hold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pulsediff.strict_json import JsonError, loads, nesting_depth
+
+# Strings full of the characters the scan must see through: brackets, quotes, backslashes.
+tricky_text = st.text(alphabet='[]{}"\\ab\u00e9', max_size=8)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | tricky_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(tricky_text, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+def depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    return 0
+
+
+@given(json_values, st.booleans())
+def test_scan_depth_is_the_parsed_depth(value, ascii_only):
+    data = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert nesting_depth(data) == depth(value)
+    assert loads(data, max_depth=64) == value
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested deeper"),
+    (b'{"a": [[[[[1]]]]]}', "nested deeper"),  # 6 levels, 5 allowed below
+    (b'{"k": 1, "k": 2}', "appears twice"),
+    (b'"\xff"', "not UTF-8"),
+    (b"[1" + b"0" * 5000 + b"]", "digits"),
+    (b"{", "Expecting"),
+])
+def test_bounds(data, reason):
+    with pytest.raises(JsonError, match=reason):
+        loads(data, max_depth=5)
