@@ -72,3 +72,13 @@ def save_sharded(tensors: dict[str, torch.Tensor], folder: Path, shards: int, me
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def save_series(folder: Path, steps: int, *, seed: int, shape: tuple[int, ...], tensors: int, density: float) -> None:
+    """step_000000.safetensors .. step_{steps}: BF16 layers, each step changing about `density` of every tensor."""
+    rng = np.random.default_rng(seed)
+    state = {f"layers.{i}.weight": random_tensor(rng, "BF16", shape) for i in range(tensors)}
+    for step in range(steps + 1):
+        if step:
+            state = {k: mutate(rng, v, density) for k, v in state.items()}
+        save(state, folder / f"step_{step:06d}.safetensors")

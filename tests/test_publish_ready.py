@@ -17,10 +17,9 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from ckpt_factory import mutate, random_tensor, save
+from ckpt_factory import save_series
 from pulsediff.atomic import TMP_SUFFIX
 from pulsediff.inspect import checkpoint_digest_of
 from pulsediff.manifest import Manifest
@@ -65,12 +64,7 @@ WRITER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("steps")
-    rng = np.random.default_rng(7)
-    tensors = {f"layers.{i}.weight": random_tensor(rng, "BF16", (128, 64)) for i in range(4)}
-    for step in range(STEPS + 1):
-        if step:
-            tensors = {k: mutate(rng, v, 0.05) for k, v in tensors.items()}
-        save(tensors, src / f"step_{step:06d}.safetensors")
+    save_series(src, STEPS, seed=7, shape=(128, 64), tensors=4, density=0.05)
     return src
 
 

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from ckpt_factory import mutate, random_tensor, save
+from ckpt_factory import mutate, random_tensor, save, save_series
 from pulsediff.atomic import TMP_SUFFIX, remove_stale_temporaries, temp_prefix
 from pulsediff.errors import InvalidManifestError, PulsediffError
 from pulsediff.inspect import checkpoint_digest_of
@@ -43,12 +42,7 @@ def series(tmp_path_factory):
     root = tmp_path_factory.mktemp("series")
     train, pub = root / "train", root / "pub"
     train.mkdir()
-    rng = np.random.default_rng(0)
-    tensors = {f"layers.{i}.weight": random_tensor(rng, "BF16", (64, 32)) for i in range(3)}
-    for step in range(STEPS + 1):
-        if step:
-            tensors = {k: mutate(rng, v, 0.02) for k, v in tensors.items()}
-        save(tensors, train / f"step_{step:06d}.safetensors")
+    save_series(train, STEPS, seed=0, shape=(64, 32), tensors=3, density=0.02)
     publish_once(train, pub, anchor_every=3, settle=0)
     return train, pub
 
