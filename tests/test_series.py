@@ -364,3 +364,19 @@ def test_killed_apply_leaves_temporaries_the_next_apply_removes(series, tmp_path
                     "-o", str(out_dir / "new.safetensors"), "-q"], check=True)
     assert [p.name for p in out_dir.iterdir()] == ["new.safetensors"]
     assert (out_dir / "new.safetensors").read_bytes() == (tmp_path / "new.safetensors").read_bytes()
+
+
+def test_cli_json_for_publish_plan_and_catch_up(series, tmp_path):
+    train, pub = series
+    cli = [sys.executable, "-m", "pulsediff"]
+    worker = tmp_path / "w.safetensors"
+    worker.write_bytes(ckpt(train, 5).read_bytes())
+    plan = json.loads(subprocess.run([*cli, "catch-up", str(worker), str(pub), "--plan", "--json"],
+                                     capture_output=True, check=True).stdout)
+    done = subprocess.run([*cli, "catch-up", str(worker), str(pub), "--json"], capture_output=True, check=True)
+    result = json.loads(done.stdout)
+    assert result["status"] == "applied" and result["step"] == STEPS and result["files"] == plan["files"]
+    assert done.stderr == b"" and worker.read_bytes() == ckpt(train, STEPS).read_bytes()
+    again = json.loads(subprocess.run([*cli, "publish", str(train), str(pub), "--json", "--settle", "0"],
+                                      capture_output=True, check=True).stdout)
+    assert again == {"out_dir": str(pub), "patches": 0, "anchors": 0, "pruned": 0, "pending": {}, "skipped": {}}

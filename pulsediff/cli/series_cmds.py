@@ -8,7 +8,7 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from ..errors import PulsediffError
-from .options import DEFAULT_CODEC, Codec, Device, Precision, Quiet
+from .options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet
 from .output import Output
 
 
@@ -32,12 +32,13 @@ def publish(
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
     quiet: Quiet = False,
+    as_json: Json = False,
 ) -> None:
     """Turn a trainer's checkpoints into patches and anchors that workers can rsync."""
     from ..series import DEFAULT_STEP_PATTERN
     from ..series import publish as run
 
-    out = Output(quiet=quiet)
+    out = Output(quiet=quiet or as_json, as_json=as_json)
 
     def said(report) -> None:
         out.info(f"published {report.patches} patches and {report.anchors} anchors into {out_dir}")
@@ -45,6 +46,10 @@ def publish(
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
                 anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device,
                 pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle)
+    if as_json:
+        out.json({"out_dir": str(out_dir), "patches": total.patches, "anchors": total.anchors, "pruned": total.pruned,
+                  "pending": total.pending, "skipped": total.skipped})
+        return
     for name, why in total.skipped.items():
         out.info(f"skipped {name}: {why}")
     for name, why in total.pending.items():
@@ -63,26 +68,34 @@ def catch_up(
                                        "(for `rsync --files-from=-`), judged from the manifest; change nothing.")] = False,
     device: Device = "auto",
     quiet: Quiet = False,
+    as_json: Json = False,
 ) -> None:
     """Bring a checkpoint to the newest published step by the cheapest intact chain."""
     from ..series import catch_up as run
 
-    out = Output(quiet=quiet)
+    out = Output(quiet=quiet or as_json, as_json=as_json)
     if plan:
         from ..series import plan_catch_up
 
-        for name in plan_catch_up(checkpoint, patch_dir).files:
+        planned = plan_catch_up(checkpoint, patch_dir)
+        if as_json:
+            out.json({"step": planned.step, "files": planned.files, "from_anchor": planned.from_anchor})
+            return
+        for name in planned.files:
             out.line(name)
         return
     result = run(checkpoint, patch_dir, output, device=device, progress=out.progress())
-    if result.status == "up-to-date":
+    if as_json:
+        out.json({"output": str(result.output), "status": result.status, "step": result.step, "files": result.files,
+                  "from_anchor": result.from_anchor, "skipped": result.problems})
+    elif result.status == "up-to-date":
         out.info(f"{result.output} is already at step {result.step}")
-        return
-    start = "an anchor" if result.from_anchor else str(checkpoint)
-    n = len(result.files)
-    out.info(f"{result.output} is now at step {result.step}: applied {n} file{'s' if n != 1 else ''} from {start} "
-             f"({', '.join(result.files)})")
-    for name in result.skipped:
-        out.info(f"skipped {name}: {result.problems.get(name, 'missing or damaged')}")
+    else:
+        start = "an anchor" if result.from_anchor else str(checkpoint)
+        n = len(result.files)
+        out.info(f"{result.output} is now at step {result.step}: applied {n} file{'s' if n != 1 else ''} from {start} "
+                 f"({', '.join(result.files)})")
+        for name in result.skipped:
+            out.info(f"skipped {name}: {result.problems.get(name, 'missing or damaged')}")
     if result.status == "partial":
         raise PulsediffError(f"stopped at step {result.step}: the newest step cannot be reached from intact files")
