@@ -43,7 +43,7 @@ _DIRECT_STAGE = 8 << 20
 TMP_SUFFIX = ".pulsediff-tmp"
 # Which machine wrote a temporary file: a pid means nothing on another host sharing the folder.
 _HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
-_OWNED_TMP = re.compile(r"\.([0-9a-f]{8})-([0-9]+)\.[^.]+" + re.escape(TMP_SUFFIX) + "$")
+_OWNED_TMP = re.compile(r"\.([0-9a-f]{8})-([0-9]{1,10})\.[^.]+" + re.escape(TMP_SUFFIX) + "$")
 FOREIGN_TMP_AGE = 24 * 3600  # seconds before a temporary file whose writer we cannot ask about is stale
 _swept: set[str] = set()  # folders already cleaned by this process
 
@@ -154,7 +154,7 @@ def _is_stale(name: str, path: Path) -> bool:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        except OSError:  # alive, another user's
+        except (OSError, OverflowError):  # alive (another user's), or no pid this system can have
             return False
         return False
     try:

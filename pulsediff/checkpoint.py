@@ -13,7 +13,6 @@ to BF16 with round-to-nearest-even (by torch, so it is exactly
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import strict_json
 from .dtypes import BF16, DType
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .memory import populate_read
@@ -119,9 +119,9 @@ class Checkpoint:
                 raise InvalidCheckpointError(str(index_path), "index file is implausibly large")
             self.index_bytes = index_path.read_bytes()
             try:
-                index = json.loads(self.index_bytes)
+                index = strict_json.loads(self.index_bytes)
                 weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict):
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                     raise TypeError
             except (ValueError, KeyError, TypeError):
                 raise InvalidCheckpointError(str(index_path), "not a valid index (no weight_map object)") from None

@@ -40,8 +40,8 @@ MANIFEST_VERSION = 1
 EMPTY_DIGEST = checkpoint_digest([])
 PATCH_SUFFIX = ".pulsediff"
 KINDS = ("patch", "anchor")
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-MAX_ENTRIES = 1_000_000
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # ~200,000 entries of ~300 bytes
+MAX_ENTRIES = 200_000  # two files a step for 100,000 steps
 MAX_STEP = 2**48 - 1
 MAX_FILE_BYTES = 2**62
 MAX_NAME_BYTES = 255  # one path component on common file systems
@@ -118,7 +118,7 @@ def parse_manifest(data: bytes, source: str) -> Manifest:
         return InvalidManifestError(source, reason)
 
     try:
-        obj = strict_json.loads(data, max_depth=4)
+        obj = strict_json.loads(data, max_depth=4, max_containers=MAX_ENTRIES + 2)
     except strict_json.JsonError as exc:
         raise fail(f"not JSON ({exc})") from None
     if not isinstance(obj, dict):
@@ -169,6 +169,8 @@ def _entry(e: object, i: int, fail) -> Entry:
         raise fail(f"{where} has a malformed digest")
     if kind == "anchor" and base != EMPTY_DIGEST:
         raise fail(f"{where} is an anchor whose base is not the empty checkpoint")
+    if target == EMPTY_DIGEST:
+        raise fail(f"{where} has the empty checkpoint (no tensors) as its target")
     return Entry(kind, name, step, from_step, base, target,
                  _uint(e, "bytes", MAX_FILE_BYTES, where, fail), _uint(e, "target_bytes", MAX_FILE_BYTES, where, fail))
 

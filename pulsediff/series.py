@@ -47,7 +47,8 @@ DEFAULT_STEP_PATTERN = r"(?i)step[_-]?(\d+)|(\d+)(?!.*\d)"
 READY_RULES = ("stable", "marker")
 DEFAULT_SETTLE = 2.0
 MARKER_SUFFIX = ".done"
-ONE_SHOT_WAIT = 60.0  # how long a publish without --watch waits for checkpoints that are still settling
+ONE_SHOT_WAIT = 60.0
+MAX_SEARCHES = 32  # chains tried by one catch-up before damaged files make it give up  # how long a publish without --watch waits for checkpoints that are still settling
 
 
 # -- publishing ------------------------------------------------------------------
@@ -381,13 +382,17 @@ def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, devi
     newest = manifest.newest
     out_path = out or checkpoint
     if have == newest.target:
-        if out is not None and out != checkpoint and not out.exists():
+        if out is not None and out != checkpoint and not out.exists():  # the copy goes through a checked file
+            problem = _check_file(patch_dir, newest, manifest.precision)
+            if problem is not None:
+                raise PulsediffError(f"{checkpoint} is at step {newest.step}, but {out} cannot be written from "
+                                     f"{newest.file}: {problem}")
             apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress, base_ids=ids)
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
     goals = _goals(manifest, have)
-    problems = {e.file: "missing" for e in manifest.entries if not (patch_dir / e.file).is_file()}
+    problems = {e.file: why for e in manifest.entries if (why := _size_problem(patch_dir / e.file, e)) is not None}
     trusted: set[str] = set()
-    while True:  # one search, then again only after a file on the chosen chain turned out damaged
+    for _ in range(MAX_SEARCHES):  # one search, then again only after a file on the chosen chain turned out damaged
         paths = cheapest_paths(manifest.entries, have, set(problems))
         goal = next((digest for _, digest in goals if paths.reaches(digest)), None)
         if goal is None:
@@ -404,6 +409,9 @@ def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, devi
                     problems[e.file] = problem
         if all(e.file in trusted for e in chain):
             break
+    else:
+        raise PulsediffError(f"gave up after finding damaged files on {MAX_SEARCHES} chains in {patch_dir} "
+                             f"({_describe(problems)})")
     from_anchor = chain[0].kind == "anchor"
     result = apply_chain(None if from_anchor else checkpoint, [patch_dir / e.file for e in chain], out_path,
                          device=device, progress=progress, base_ids=None if from_anchor else ids)
@@ -423,6 +431,17 @@ def _describe(problems: dict[str, str]) -> str:
     return "; ".join(f"{name}: {why}" for name, why in shown) + more
 
 
+def _size_problem(path: Path, e: Entry) -> str | None:
+    """A missing or half-fetched file, found by one stat: no search has to meet it first."""
+    try:
+        size = path.stat().st_size if path.is_file() else None
+    except OSError:
+        size = None
+    if size is None:
+        return "missing"
+    return f"{size} bytes, the manifest says {e.bytes}" if size != e.bytes else None
+
+
 def _check_file(patch_dir: Path, e: Entry, precision: str) -> str | None:
     """Why the file for entry `e` cannot be used (missing, half-fetched, damaged), or None.
 
@@ -432,12 +451,9 @@ def _check_file(patch_dir: Path, e: Entry, precision: str) -> str | None:
     from .apply import verify_patch_file
 
     path = patch_dir / e.file
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return "missing"
-    if size != e.bytes:
-        return f"{size} bytes, the manifest says {e.bytes}"
+    problem = _size_problem(path, e)
+    if problem is not None:
+        return problem
     try:
         header = verify_patch_file(path)
     except PulsediffError as exc:

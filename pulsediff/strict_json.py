@@ -15,8 +15,8 @@ import re
 
 MAX_DEPTH = 32  # our formats nest 5 levels at most; safetensors headers 3
 
-# A JSON string literal: escapes may hide a quote, nothing else can (written unrolled: 2x faster).
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# What the scan must look at: quotes, backslashes (inside strings) and brackets.
+_SPECIAL = re.compile(rb'[\\"\[\]{}]')
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
@@ -24,15 +24,34 @@ class JsonError(ValueError):
     """Not JSON, or JSON outside the bounds a reader accepts."""
 
 
+def _containers(data: bytes) -> bytes:
+    """The brackets of `data` that lie outside string literals, in order. Linear time."""
+    if b"\\" not in data:  # no escapes: every other quote opens a string, and splitting runs at C speed
+        return b"".join(data.split(b'"')[::2]).translate(None, _NOT_BRACKETS)
+    out = bytearray()
+    in_string = False
+    skip_until = -1  # a backslash in a string hides the byte after it
+    for m in _SPECIAL.finditer(data):
+        pos = m.start()
+        if pos <= skip_until:
+            continue
+        c = data[pos]
+        if in_string:
+            if c == 0x5C:  # backslash
+                skip_until = pos + 1
+            elif c == 0x22:  # quote
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c != 0x5C:
+            out.append(c)
+    return bytes(out)
+
+
 def nesting_depth(data: bytes) -> int:
     """How deep arrays and objects nest in `data` (brackets inside strings do not count)."""
-    if b"\\" in data:
-        outside = _STRING.sub(b"", data)
-    else:  # no escapes: every other quote opens a string, and splitting is C speed (20x the regex)
-        outside = b"".join(data.split(b'"')[::2])
-    brackets = outside.translate(None, _NOT_BRACKETS)
     depth = deepest = 0
-    for c in brackets:
+    for c in _containers(data):
         if c in b"[{":
             depth += 1
             deepest = max(deepest, depth)
@@ -50,9 +69,20 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return obj
 
 
-def loads(data: bytes, *, max_depth: int = MAX_DEPTH) -> object:
-    """Parse UTF-8 JSON that nests at most `max_depth` levels and repeats no key; JsonError otherwise."""
-    if nesting_depth(data) > max_depth:
+def loads(data: bytes, *, max_depth: int = MAX_DEPTH, max_containers: int | None = None) -> object:
+    """Parse UTF-8 JSON that nests at most `max_depth` levels, holds at most `max_containers` arrays
+    and objects (each costs ~20x its two bytes once parsed), and repeats no key; JsonError otherwise."""
+    brackets = _containers(data)
+    if max_containers is not None and brackets.count(b"[") + brackets.count(b"{") > max_containers:
+        raise JsonError(f"more than {max_containers} arrays and objects")
+    depth = deepest = 0
+    for c in brackets:
+        if c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    if deepest > max_depth:
         raise JsonError(f"nested deeper than {max_depth} levels")
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)

@@ -85,6 +85,10 @@ def test_hostile_index_is_refused(tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(InvalidCheckpointError, match="does not match"):
         Checkpoint(folder)
+    for hostile in ('{"weight_map": {"a": ["x"]}}', "[" * 50_000 + "]" * 50_000, '{"weight_map": []}', "[1]"):
+        index_path.write_text(hostile)  # TypeError and RecursionError escaped before
+        with pytest.raises(InvalidCheckpointError, match="not a valid index"):
+            Checkpoint(folder)
 
 
 def test_full_disk_during_apply_leaves_nothing(tmp_path, monkeypatch):

@@ -115,6 +115,8 @@ HOSTILE = {
     "duplicate key": lambda pub: (pub / MANIFEST).read_bytes().replace(b'"version": 1', b'"version": 1, "version": 1', 1),
     "not utf-8": lambda pub: b'{"version": 1, "precision": "\xff"}',
     "unknown precision": lambda pub: edited(pub, lambda o: o.update(precision="fp8")),
+    "empty checkpoint as a step": lambda pub: edited(pub, set_field(0, "target", EMPTY_DIGEST)),
+    "millions of objects": lambda pub: b'{"junk": [' + b"{}," * 300_000 + b'{}], "version": 1}',
 }
 
 
@@ -221,6 +223,40 @@ def test_mutated_manifests_never_report_a_step_they_did_not_rebuild(series, tmp_
     assert outcomes["error"] and outcomes["applied"]  # both kinds of outcome were exercised
 
 
+def test_up_to_date_copy_goes_through_a_checked_file(series, tmp_path):
+    """A worker at the newest step asks for a copy with -o; the newest file is relabelled: nothing is written."""
+    train, pub = series
+    folder = copy_folder(pub, tmp_path / "pub")
+    newest = Manifest.load(folder).newest
+    (folder / newest.file).write_bytes((folder / "patch-00000005-00000006.pulsediff").read_bytes())
+    obj = good_manifest(folder)
+    next(e for e in obj["entries"] if e["file"] == newest.file)["bytes"] = (folder / newest.file).stat().st_size
+    write_manifest(folder, obj)
+    worker = tmp_path / "w.safetensors"
+    worker.write_bytes(ckpt(train, STEPS).read_bytes())
+    with pytest.raises(InvalidManifestError):
+        catch_up(worker, folder, tmp_path / "copy.safetensors")
+    assert not (tmp_path / "copy.safetensors").exists()
+
+
+def test_many_wrong_sized_files_cost_no_searches(series, tmp_path):
+    """Thousands of anchors for one step, each present with a size the manifest does not say: one stat each."""
+    train, pub = series
+    folder = copy_folder(pub, tmp_path / "pub")
+    obj = good_manifest(folder)
+    anchor = next(e for e in obj["entries"] if e["kind"] == "anchor" and e["step"] == 6)
+    for i in range(4000):
+        name = f"anchor-fake-{i}.pulsediff"
+        (folder / name).write_bytes(b"x")
+        obj["entries"].append({**anchor, "file": name, "bytes": 2 + i})
+    write_manifest(folder, obj)
+    worker = tmp_path / "w.safetensors"
+    t0 = time.perf_counter()
+    result = catch_up(worker, folder)
+    assert time.perf_counter() - t0 < 10  # was a full search per bad file: minutes
+    assert result.step == STEPS and worker.read_bytes() == ckpt(train, STEPS).read_bytes()
+
+
 def test_half_fetched_file_is_skipped_not_trusted(series, tmp_path):
     train, pub = series
     folder = copy_folder(pub, tmp_path / "pub")
@@ -320,6 +356,8 @@ def test_temporaries_of_dead_writers_are_removed_live_ones_kept(tmp_path):
     alive_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         alive = tmp_path / f"{temp_prefix(final).replace(f'-{os.getpid()}.', f'-{alive_proc.pid}.')}x{TMP_SUFFIX}"
+        huge_pid = tmp_path / f"{temp_prefix(final).replace(f'-{os.getpid()}.', '-' + '9' * 30 + '.')}y{TMP_SUFFIX}"
+        huge_pid.write_bytes(b"x")  # no crash (OverflowError in os.kill before), and kept: not provably dead
         legacy_old = tmp_path / f".model.safetensors.k3j4h5{TMP_SUFFIX}"
         legacy_new = tmp_path / f".other.safetensors.zz9{TMP_SUFFIX}"
         unrelated = tmp_path / ".model.safetensors.keep"
@@ -328,7 +366,7 @@ def test_temporaries_of_dead_writers_are_removed_live_ones_kept(tmp_path):
         os.utime(legacy_old, (time.time() - 2 * 86400,) * 2)
         removed = remove_stale_temporaries(tmp_path, force=True)
         assert sorted(removed) == sorted([dead, legacy_old])
-        assert all(p.exists() for p in (ours, alive, legacy_new, unrelated))
+        assert all(p.exists() for p in (ours, alive, legacy_new, unrelated, huge_pid))
     finally:
         alive_proc.kill()
         alive_proc.wait()

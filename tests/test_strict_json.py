@@ -45,3 +45,19 @@ def test_scan_depth_is_the_parsed_depth(value, ascii_only):
 def test_bounds(data, reason):
     with pytest.raises(JsonError, match=reason):
         loads(data, max_depth=5)
+
+
+def test_scan_is_linear_with_escapes():
+    """An unterminated string full of escaped quotes made the regex scan quadratic (41 s at 80 KB)."""
+    import time
+
+    data = b'"' + b'\\"' * 500_000
+    t0 = time.perf_counter()
+    assert nesting_depth(data) == 0
+    assert time.perf_counter() - t0 < 5
+
+
+def test_container_bound():
+    with pytest.raises(JsonError, match="arrays and objects"):
+        loads(b"[" + b"{}," * 1000 + b"{}]", max_containers=100)
+    assert len(loads(b"[" + b"{}," * 98 + b"{}]", max_containers=100)) == 99
