@@ -125,14 +125,14 @@ def marker_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name.removesuffix(".safetensors") + MARKER_SUFFIX)
 
 
-def _not_ready(path: Path, rule: str, settle: float) -> str | None:
-    """Why `path` cannot be published yet ("settling" when waiting will do), or None."""
+def _not_ready(path: Path, rule: str, settle: float, fingerprint: tuple | None) -> str | None:
+    """Why `path`, whose files have `fingerprint` now, cannot be published yet ("settling" when
+    waiting will do), or None."""
+    if fingerprint is None:
+        return "settling"  # a file vanished under us: the trainer is renaming or rewriting it
     if rule == "marker":
         return None if marker_path(path).is_file() else f"no {marker_path(path).name} yet"
-    try:
-        newest = max((mtime for _, _, mtime, _ in _fingerprint(path)), default=0)
-    except OSError:
-        return "settling"  # a file vanished under us: the trainer is renaming or rewriting it
+    newest = max((mtime for _, _, mtime, _ in fingerprint), default=0)
     return "settling" if time.time() - newest / 1e9 < settle else None
 
 
@@ -188,12 +188,10 @@ def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep
     for step, path in candidates:
         if last_step is not None and step <= last_step:
             continue
-        why = _not_ready(path, ready, settle)
-        before = _fingerprint_or_none(path) if why is None else None
-        if why is None and before is None:
-            why = "settling"
+        before = _fingerprint_or_none(path)
+        why = _not_ready(path, ready, settle, before)
         if why is None and not parses(path):
-            if _not_ready(path, ready, settle) is None:  # complete by the rule, yet no checkpoint: not ours
+            if _fingerprint_or_none(path) == before:  # complete by the rule and unchanged, yet no checkpoint
                 report.skipped[path.name] = "does not open as a checkpoint"
                 continue
             why = "settling"

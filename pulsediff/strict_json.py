@@ -48,16 +48,20 @@ def _containers(data: bytes) -> bytes:
     return bytes(out)
 
 
-def nesting_depth(data: bytes) -> int:
-    """How deep arrays and objects nest in `data` (brackets inside strings do not count)."""
+def _depth(brackets: bytes) -> int:
     depth = deepest = 0
-    for c in _containers(data):
+    for c in brackets:
         if c in b"[{":
             depth += 1
             deepest = max(deepest, depth)
         else:
             depth -= 1
     return deepest
+
+
+def nesting_depth(data: bytes) -> int:
+    """How deep arrays and objects nest in `data` (brackets inside strings do not count)."""
+    return _depth(_containers(data))
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -75,14 +79,7 @@ def loads(data: bytes, *, max_depth: int = MAX_DEPTH, max_containers: int | None
     brackets = _containers(data)
     if max_containers is not None and brackets.count(b"[") + brackets.count(b"{") > max_containers:
         raise JsonError(f"more than {max_containers} arrays and objects")
-    depth = deepest = 0
-    for c in brackets:
-        if c in b"[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    if deepest > max_depth:
+    if _depth(brackets) > max_depth:
         raise JsonError(f"nested deeper than {max_depth} levels")
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
