@@ -61,13 +61,14 @@ class Entry:
 
 
 def is_series_file_name(name: object) -> bool:
-    """The one rule for names a manifest may give: a visible `*.pulsediff` file directly in the folder."""
-    return (
-        is_plain_filename(name)
-        and not name.startswith(".")
-        and name.endswith(PATCH_SUFFIX)
-        and len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES
-    )
+    """The one rule for names a manifest may give: a visible `*.pulsediff` file directly in the folder,
+    in UTF-8 (JSON can spell a lone surrogate, which no file system call accepts)."""
+    if not (is_plain_filename(name) and not name.startswith(".") and name.endswith(PATCH_SUFFIX)):
+        return False
+    try:
+        return len(name.encode("utf-8")) <= MAX_NAME_BYTES
+    except UnicodeEncodeError:
+        return False
 
 
 @dataclass

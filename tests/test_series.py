@@ -107,6 +107,8 @@ HOSTILE = {
     "hidden file": lambda pub: edited(pub, set_field(1, "file", ".patch.pulsediff")),
     "not a patch name": lambda pub: edited(pub, set_field(1, "file", "model.safetensors")),
     "file as number": lambda pub: edited(pub, set_field(1, "file", 7)),
+    "lone surrogate in file": lambda pub: edited(pub, set_field(1, "file", "p\ud800.pulsediff")),  # crashed --keep
+    "file name too long": lambda pub: edited(pub, set_field(1, "file", "p" * 300 + ".pulsediff")),
     "file listed twice": lambda pub: edited(pub, lambda o: o["entries"][2].update(file=o["entries"][1]["file"])),
     "bad digest": lambda pub: edited(pub, set_field(1, "target", "xxh128:nothex")),
     "two digests for a step": lambda pub: edited(pub, lambda o: o["entries"].append(
