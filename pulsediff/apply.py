@@ -25,6 +25,7 @@ from .codecs import get_codec
 from .codecs.base import Scratch, SectionContext, zstd_decompress_exact
 from .digest import TensorId, checkpoint_digest, tensor_hash
 from .errors import (
+    BaseFileMismatchError,
     BaseMismatchError,
     ChainError,
     CheckpointNotFoundError,
@@ -34,10 +35,11 @@ from .errors import (
     TensorMismatchError,
     UsageError,
 )
+from .folder_files import file_hash, read_folder_file
 from .format import PatchReader
 from .inspect import tensor_ids
 from .kernels import get_backend
-from .patch import PatchHeader, TensorRecord
+from .patch import FileRecord, PatchHeader, TensorRecord
 from .progress import SILENT, Progress
 from .safetensors_io import HeaderError, parse_header
 
@@ -114,6 +116,10 @@ class _Link:
     header: PatchHeader
     records: dict[str, TensorRecord]
 
+    @property
+    def files(self) -> dict[str, FileRecord]:
+        return {f.name: f for f in self.header.files}
+
 
 @contextmanager
 def open_chain(patches: list) -> Iterator[list[_Link]]:
@@ -186,14 +192,15 @@ def apply_chain(
                 if _already_target(out_path, final):
                     return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
             _check_output_kind(final, out_path)
+            files = _FolderFiles(links or [final_link], base_ckpt, final, in_place, sequential=len(patches) == 1)
             if dry_run:
                 return ApplyResult("applied", out_path, final, len(links), base_is_target, True)
             if len(patches) == 1:  # one patch, maybe on stdin: read it front to back
-                _apply_streaming(first_link, view, get_backend(device), out_path, progress, copy_all=not links)
+                _apply_streaming(first_link, view, get_backend(device), out_path, progress, files, copy_all=not links)
             else:
-                _apply_random_access(links, final_link, view, get_backend(device), out_path, progress)
+                _apply_random_access(links, final_link, view, get_backend(device), out_path, progress, files)
             if in_place:
-                _remove_stale_files(base_ckpt, final)
+                _remove_stale_files(base_ckpt, final, files.removed)
         return ApplyResult("applied", out_path, final, len(links), base_is_target)
 
 
@@ -208,7 +215,7 @@ def _check_links(links: list[_Link]) -> None:
 
 
 def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress,
-                     copy_all: bool = False) -> None:
+                     files: "_FolderFiles", copy_all: bool = False) -> None:
     """One patch, read front to back (works on stdin): each section is decoded as it arrives.
 
     `copy_all`: the base already is the target, so every tensor comes from it
@@ -228,11 +235,11 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
     def before_commit() -> None:
         reader.expect_end(header.sections_length)
 
-    _write_target(header, layout_blob, target_bits, out_path, progress, reader.source, before_commit)
+    _write_target(header, layout_blob, target_bits, files, out_path, progress, reader.source, before_commit)
 
 
 def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
-                         progress: Progress) -> None:
+                         progress: Progress, files: "_FolderFiles") -> None:
     """A chain: each target tensor is carried through every link in turn, in memory.
 
     `links` may be empty (the base already is the target): then only the
@@ -247,7 +254,7 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
     def target_bits(rec: TensorRecord) -> np.ndarray:
         return _carry_through(rec.name, links, view, backend, scratch)
 
-    _write_target(final, layout_blob, target_bits, out_path, progress, final_link.reader.source, lambda: None)
+    _write_target(final, layout_blob, target_bits, files, out_path, progress, final_link.reader.source, lambda: None)
 
 
 def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
@@ -339,7 +346,75 @@ def _rebuild(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | N
 def _read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> bytes:
     layout = header.layout
     data = (reader.read_next if sequential else reader.read_section)(layout.section, "layout")
-    return zstd_decompress_exact(data, layout.blob_len, SectionContext("<layout>", layout.blob_len, 1, reader.source), "layout")
+    blob = zstd_decompress_exact(data, layout.blob_len, SectionContext("<layout>", layout.blob_len, 1, reader.source), "layout")
+    # Format 1.1: every byte of the target's files that is not tensor data is in the blob,
+    # so with this check (and the tensor hashes) exact mode rebuilds the files byte for byte.
+    if layout.digest is not None and file_hash(blob) != layout.digest:
+        raise CorruptPatchError(reader.source, "the layout does not match its recorded digest")
+    return blob
+
+
+class _FolderFiles:
+    """Where each of the target folder's other files comes from, checked before anything is written.
+
+    A file is carried whole by the last link that changed it, else it is the
+    base folder's file. In exact mode that base file must have the recorded
+    hash (else the rebuilt folder would not be the target). In bf16 mode the
+    receiver's folder is typically saved by another tool, so its unchanged
+    files are kept as they are (or stay absent).
+    """
+
+    def __init__(self, links: list[_Link], base: Checkpoint, final: PatchHeader, in_place: bool, sequential: bool):
+        self.final = final.files
+        self.sequential = sequential  # one patch is read front to back (it may be stdin)
+        self.strict = final.precision == "exact"
+        self.in_place = in_place
+        self.base_dir = base.path if base.kind == "dir" else None
+        self.from_link: dict[str, tuple[_Link, FileRecord]] = {}
+        for rec in self.final:
+            for link in reversed(links):
+                own = link.files.get(rec.name)
+                if own is not None and own.op == "full":
+                    self.from_link[rec.name] = (link, own)
+                    break
+            else:
+                self.base_bytes(rec)  # checked now: before any output exists
+        gone = {n for link in links for n in link.header.removed_files} - {r.name for r in self.final}
+        self.removed = sorted(gone)
+
+    def base_bytes(self, rec: FileRecord) -> bytes | None:
+        """The base folder's copy of `rec`; None where bf16 mode keeps it absent."""
+        path = self.base_dir / rec.name if self.base_dir is not None else None
+        if path is None or not path.is_file():
+            if not self.strict:
+                return None
+            raise BaseFileMismatchError(f"the base {'folder' if path else 'checkpoint'} lacks {rec.name}, which the "
+                                        "patch keeps unchanged: the rebuilt folder would not be the target")
+        data = read_folder_file(path)
+        if self.strict and (len(data) != rec.size or file_hash(data) != rec.hash):
+            raise BaseFileMismatchError(f"{path} is not the file the patch was made against (its hash differs): "
+                                        "the rebuilt folder would not be the target")
+        return data
+
+    def section(self, rec: FileRecord) -> tuple[bytes | None, str]:
+        """The section that carries `rec` whole (None: the base's file), and which patch it is from."""
+        found = self.from_link.get(rec.name)
+        if found is None:
+            return None, ""
+        link, own = found
+        read = link.reader.read_next if self.sequential else link.reader.read_section
+        return read(own.section, f"file {rec.name!r}"), link.reader.source
+
+    def contents(self, rec: FileRecord, section: bytes | None, source: str) -> bytes | None:
+        """The bytes to write for `rec`, or None: nothing to write (kept or absent)."""
+        if section is not None:
+            data = zstd_decompress_exact(section, rec.size, SectionContext(rec.name, rec.size, 1, source), "file")
+            if file_hash(data) != rec.hash:
+                raise CorruptPatchError(source, f"folder file {rec.name!r} does not rebuild to its recorded hash")
+            return data
+        if self.in_place:
+            return None  # the base's own file, checked above
+        return self.base_bytes(rec)
 
 
 def _check_output_kind(header: PatchHeader, out_path: Path) -> None:
@@ -349,14 +424,20 @@ def _check_output_kind(header: PatchHeader, out_path: Path) -> None:
         raise UsageError(f"{out_path} is a folder, but the patch rebuilds a single file")
 
 
-def _write_target(header: PatchHeader, blob: bytes, target_bits, out_path: Path, progress: Progress,
-                  source: str, before_commit) -> None:
-    """Write the target's files from staged temporaries; rename only once all is verified."""
+def _write_target(header: PatchHeader, blob: bytes, target_bits, files: _FolderFiles, out_path: Path,
+                  progress: Progress, source: str, before_commit) -> None:
+    """Write the target's files from staged temporaries; rename only once all is verified.
+
+    A new output folder is built whole under a temporary name and renamed
+    into place, so a failure or a kill never leaves a folder behind.
+    """
     layout = header.layout
     progress.begin("apply", sum(r.nbytes for r in header.tensors), len(header.tensors))
     rebuilt: list[TensorId] = []
     pos = first = 0
     with StagedFiles() as staged:
+        if layout.kind == "dir" and not out_path.exists():
+            staged.new_folder(out_path)
         for lf in layout.files:
             raw = blob[pos : pos + lf.header_len]
             records = header.tensors[first : first + lf.tensors]
@@ -374,6 +455,11 @@ def _write_target(header: PatchHeader, blob: bytes, target_bits, out_path: Path,
         if layout.index_len is not None:
             with staged.open(out_path / INDEX_NAME) as f:
                 f.write(blob[pos : pos + layout.index_len])
+        for rec in files.final:
+            data = files.contents(rec, *files.section(rec))
+            if data is not None:
+                with staged.open(out_path / rec.name) as f:
+                    f.write(data)
         before_commit()
         if checkpoint_digest(rebuilt) != header.target_digest:
             raise TargetMismatchError(header.target_digest, checkpoint_digest(rebuilt))
@@ -392,8 +478,9 @@ def _check_file_header(raw: bytes, records, file_name: str, source: str) -> None
         raise CorruptPatchError(source, f"layout header of {file_name or 'the file'} does not match the tensor list")
 
 
-def _remove_stale_files(base: Checkpoint, header: PatchHeader) -> None:
-    """After an in-place apply to a folder: drop base shards (and index) the target no longer has."""
+def _remove_stale_files(base: Checkpoint, header: PatchHeader, removed_files: list[str]) -> None:
+    """After an in-place apply to a folder: drop base shards (and index) the target no longer has,
+    and the other files the patches say the target lost."""
     if base.kind != "dir":
         return
     keep = {f.name for f in header.layout.files}
@@ -402,3 +489,5 @@ def _remove_stale_files(base: Checkpoint, header: PatchHeader) -> None:
             shard.path.unlink(missing_ok=True)
     if header.layout.index_len is None and base.index_bytes is not None:
         (base.path / INDEX_NAME).unlink(missing_ok=True)
+    for name in removed_files:
+        (base.path / name).unlink(missing_ok=True)

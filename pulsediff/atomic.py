@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import socket
 import tempfile
 import time
@@ -59,22 +60,42 @@ def output_error(path: Path | str, exc: OSError) -> OutputError:
 
 
 class StagedFiles:
-    """A set of files written under temporary names and renamed together at commit."""
+    """A set of files written under temporary names and renamed together at commit.
+
+    `new_folder(path)` stages a whole folder that does not exist yet: its
+    files are written inside a temporary folder, which is renamed to `path`
+    at commit, so the folder appears complete or not at all.
+    """
 
     def __init__(self) -> None:
         self._staged: list[tuple[Path, Path]] = []  # (temporary, final)
+        self._folders: dict[Path, Path] = {}  # final folder -> temporary folder
+
+    def new_folder(self, final: Path) -> None:
+        final = Path(final)
+        try:
+            remove_stale_temporaries(final.parent)
+            tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(final), suffix=TMP_SUFFIX, dir=final.parent))
+        except OSError as exc:
+            raise output_error(final, exc) from None
+        self._folders[final] = tmp
+        self._staged.append((tmp, final))
 
     @contextmanager
     def open(self, final: Path, direct: bool = False) -> Iterator[BinaryIO]:
         """A file to write `final` through. `direct`: large output, write it with O_DIRECT where possible."""
         final = Path(final)
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temporaries(final.parent)
-            fd, tmp = tempfile.mkstemp(prefix=temp_prefix(final), suffix=TMP_SUFFIX, dir=final.parent)
+            if final.parent in self._folders:  # inside a staged folder: the folder's rename is the commit
+                tmp = self._folders[final.parent] / final.name
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            else:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                remove_stale_temporaries(final.parent)
+                fd, tmp = tempfile.mkstemp(prefix=temp_prefix(final), suffix=TMP_SUFFIX, dir=final.parent)
+                self._staged.append((Path(tmp), final))
         except OSError as exc:
             raise output_error(final, exc) from None
-        self._staged.append((Path(tmp), final))
         try:
             os.fchmod(fd, _mode_for(final))
             if direct and _set_direct(fd):
@@ -93,7 +114,14 @@ class StagedFiles:
     def commit(self) -> None:
         try:
             for tmp, final in self._staged:
-                os.replace(tmp, final)
+                if final in self._folders:
+                    os.chmod(tmp, _mode_for_folder())
+                    _fsync_dir(tmp)
+                    if final.exists():  # appeared while we worked: never replace a folder wholesale
+                        raise FileExistsError(errno.EEXIST, "it appeared while pulsediff was writing", str(final))
+                    os.rename(tmp, final)
+                else:
+                    os.replace(tmp, final)
             for parent in {final.parent for _, final in self._staged}:
                 _fsync_dir(parent)
         except OSError as exc:
@@ -101,12 +129,16 @@ class StagedFiles:
         self._staged.clear()
 
     def discard(self) -> None:
-        for tmp, _ in self._staged:
+        for tmp, final in self._staged:
             try:
-                tmp.unlink()
+                if final in self._folders:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink()
             except FileNotFoundError:
                 pass
         self._staged.clear()
+        self._folders.clear()
 
     def __enter__(self) -> "StagedFiles":
         return self
@@ -137,7 +169,10 @@ def remove_stale_temporaries(folder: Path, *, force: bool = False) -> list[Path]
         path = Path(folder) / name
         if _is_stale(name, path):
             try:
-                path.unlink()
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)  # a staged folder (StagedFiles.new_folder)
+                else:
+                    path.unlink()
                 removed.append(path)
             except OSError:
                 pass  # gone already, or not ours to remove
@@ -171,6 +206,13 @@ def _mode_for(final: Path) -> int:
         umask = os.umask(0)
         os.umask(umask)
         return 0o666 & ~umask
+
+
+def _mode_for_folder() -> int:
+    """mkdtemp makes 0700 folders: give a staged folder the umask's default."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
 
 
 def _fsync_dir(path: Path) -> None:

@@ -31,6 +31,15 @@ class InvalidCheckpointError(PulsediffError, ValueError):
         super().__init__(f"not a valid safetensors checkpoint: {path}: {reason}")
 
 
+class FolderFileError(PulsediffError, ValueError):
+    """A file beside a model folder's weights that a patch cannot carry (pulsediff/folder_files.py)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+
 class UnsupportedDtypeError(PulsediffError, ValueError):
     def __init__(self, name: str, dtype: str):
         self.name = name
@@ -97,6 +106,10 @@ class BaseMismatchError(PulsediffError, ValueError):
         self.expected, self.actual = expected, actual
         msg = f"base checkpoint does not match the patch (patch expects base {expected}, got {actual})"
         super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+class BaseFileMismatchError(PulsediffError, ValueError):
+    """In exact mode, a file of the base folder that the patch keeps (config, tokenizer) is missing or differs."""
 
 
 class TensorMismatchError(PulsediffError, ValueError):

@@ -16,20 +16,21 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from . import __version__
-from .atomic import StagedFiles
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+from . import __version__
+from .atomic import StagedFiles
 from .checkpoint import Checkpoint, TensorData, TensorView, open_checkpoint
 from .codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
 from .codecs.base import zstd_compress
 from .codecs.gap_zstd import gap_width
 from .digest import TensorId, checkpoint_digest, tensor_hash
 from .errors import UsageError
+from .folder_files import file_hash, folder_files, read_folder_file
 from .format import SectionRef, encode_header, encode_preamble, section_checksum
 from .kernels import get_backend
-from .patch import LAYOUT_CODEC, Layout, LayoutFile, PatchHeader, TensorRecord
+from .patch import FILE_CODEC, LAYOUT_CODEC, FileRecord, Layout, LayoutFile, PatchHeader, TensorRecord
 from .progress import SILENT, Progress
 from .safetensors_io import build_header
 
@@ -47,12 +48,20 @@ class TargetSource:
     index_len: int | None
     entries: list[tuple[str, int]]  # (name, bytes as stored) in layout order, for progress
     get: Callable[[str], TensorData]
+    # A folder's other files (config, tokenizer, ...): names in order, and their bytes on demand.
+    file_names: list[str] = field(default_factory=list)
+    read_file: Callable[[str], bytes] | None = None
+    skipped: list[str] = field(default_factory=list)  # folder entries left out, to tell the user
 
     @classmethod
-    def of_view(cls, new: TensorView) -> "TargetSource":
+    def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
         blob, files, index_len = _target_layout(new)
         entries = [(e.name, e.nbytes) for shard in new.ckpt.shards for e in shard.header.tensors]
-        return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get)
+        others = folder_files(new.ckpt, skip_unsupported=skip_unsupported)
+        found = others.by_name()
+        return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get,
+                   [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
+                   others.skipped)
 
 
 def make_patch(
@@ -64,17 +73,24 @@ def make_patch(
     codec: str = DEFAULT_SPARSE_CODEC,
     device: str | None = None,
     progress: Progress = SILENT,
+    skip_unsupported: bool = False,
+    skipped: list[str] | None = None,
 ) -> PatchHeader:
     """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
 
     `old` None makes an anchor: a patch from the empty checkpoint, every tensor
     carried whole (compressed). `out` is a path (written atomically), "-" for
-    stdout, or a binary stream. Returns the patch header.
+    stdout, or a binary stream. Returns the patch header. A folder's other
+    files travel with it (pulsediff/folder_files.py); weights in other formats
+    and huge files are refused unless `skip_unsupported`, and what was left
+    out is appended to `skipped`.
     """
     _check_choices(codec, precision)
     with Checkpoint(new) as new_ckpt:
-        return write_patch(old, TargetSource.of_view(TensorView(new_ckpt, precision)), out,
-                           codec=codec, device=device, progress=progress)
+        target = TargetSource.of_view(TensorView(new_ckpt, precision), skip_unsupported)
+        if skipped is not None:
+            skipped.extend(target.skipped)
+        return write_patch(old, target, out, codec=codec, device=device, progress=progress)
 
 
 def _check_choices(codec: str, precision: str) -> None:
@@ -125,6 +141,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
         return ref
 
     layout_ref = write_section((zstd_compress(target.layout_blob),), LAYOUT_CODEC, {})
+    layout_digest = file_hash(target.layout_blob)
     target_names = {name for name, _ in target.entries}
     total = sum(n for _, n in target.entries) + sum(old.ckpt.entry(n).nbytes for n in old.ckpt.names)
     progress.begin("make", total, len(target.entries) + len(old.ckpt.names))
@@ -167,9 +184,10 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
         progress.advance(old.ckpt.entry(name).nbytes)
     progress.end()
 
+    files, removed_files = _diff_files(old.ckpt, target, write_section)
     target_ids = [TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in records]
     target_bytes = sum(8 + f.header_len for f in target.layout_files) + sum(r.nbytes for r in records)
-    target_bytes += target.index_len or 0
+    target_bytes += (target.index_len or 0) + sum(f.size for f in files)
     return PatchHeader(
         tool=f"pulsediff {__version__}",
         precision=target.precision,
@@ -177,10 +195,31 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
         target_digest=checkpoint_digest(target_ids),
         base_tensors=len(base_ids),
         target_bytes=target_bytes,
-        layout=Layout(target.kind, tuple(target.layout_files), target.index_len, layout_ref),
+        layout=Layout(target.kind, tuple(target.layout_files), target.index_len, layout_ref, layout_digest),
         tensors=tuple(records),
         removed=tuple(sorted(removed)),
+        files=tuple(files),
+        removed_files=tuple(removed_files),
     )
+
+
+def _diff_files(old: Checkpoint, target: TargetSource, write_section) -> tuple[list[FileRecord], list[str]]:
+    """The target folder's other files: by hash when the base folder has the same bytes, else whole."""
+    if target.kind != "dir":
+        return [], []
+    base_files = folder_files(old, skip_unsupported=True).by_name()
+    records = []
+    for name in target.file_names:
+        data = target.read_file(name)
+        digest = file_hash(data)
+        base = base_files.get(name)
+        if base is not None and base.size == len(data) and file_hash(read_folder_file(base.path)) == digest:
+            records.append(FileRecord(name, len(data), digest, "same"))
+        else:
+            records.append(FileRecord(name, len(data), digest, "full",
+                                      write_section((zstd_compress(data),), FILE_CODEC, {})))
+    removed = sorted(set(base_files) - set(target.file_names))
+    return records, removed
 
 
 def _target_layout(new: TensorView) -> tuple[bytes, list[LayoutFile], int | None]:

@@ -15,11 +15,14 @@ from .codecs import get_codec
 from .digest import is_digest, is_tensor_hash
 from .dtypes import DType, lookup
 from .errors import CorruptPatchError
+from .folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
 from .format import MAX_NAME_BYTES, MAX_NDIM, MAX_SECTION_BYTES, MAX_TENSORS, SectionRef
 
 OPS = ("same", "patch", "full")  # copy the base tensor / decode against it / carried whole
 LAYOUT_KINDS = ("file", "dir")
 LAYOUT_CODEC = "zstd"  # the layout blob is one zstd frame of `Layout.blob_len` bytes
+FILE_CODEC = "zstd"  # a folder file carried whole: one zstd frame of its bytes
+FILE_OPS = ("same", "full")  # the base folder's file as it is / carried whole
 
 
 @dataclass(frozen=True)
@@ -64,18 +67,39 @@ class Layout:
     files: tuple[LayoutFile, ...]
     index_len: int | None  # bytes of model.safetensors.index.json in the blob, if any
     section: SectionRef
+    digest: str | None = None  # XXH3-128 hex of the blob (format 1.1; None in 1.0 patches)
 
     @property
     def blob_len(self) -> int:
         return sum(f.header_len for f in self.files) + (self.index_len or 0)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "kind": self.kind,
             "files": [{"name": f.name, "header_len": f.header_len, "tensors": f.tensors} for f in self.files],
             "index_len": self.index_len,
             "section": self.section.to_json(),
         }
+        if self.digest is not None:
+            out["digest"] = self.digest
+        return out
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A target folder's file other than shards and index (config, tokenizer, ...), format 1.1."""
+
+    name: str
+    size: int
+    hash: str  # XXH3-128 hex of its bytes
+    op: str  # "same": the base folder's file; "full": carried whole in `section`
+    section: SectionRef | None = None
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "bytes": self.size, "hash": self.hash, "op": self.op}
+        if self.section is not None:
+            out["section"] = self.section.to_json()
+        return out
 
 
 @dataclass(frozen=True)
@@ -89,6 +113,8 @@ class PatchHeader:
     layout: Layout
     tensors: tuple[TensorRecord, ...]
     removed: tuple[str, ...] = field(default=())
+    files: tuple[FileRecord, ...] = field(default=())  # format 1.1: the folder's other files
+    removed_files: tuple[str, ...] = field(default=())  # format 1.1: base folder files the target lacks
 
     @property
     def sections_length(self) -> int:
@@ -96,10 +122,11 @@ class PatchHeader:
         return refs[-1].offset + refs[-1].length
 
     def section_refs(self) -> list[SectionRef]:
-        return [self.layout.section] + [t.section for t in self.tensors if t.section is not None]
+        return ([self.layout.section] + [t.section for t in self.tensors if t.section is not None]
+                + [f.section for f in self.files if f.section is not None])
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "tool": self.tool,
             "precision": self.precision,
             "base": {"digest": self.base_digest, "tensors": self.base_tensors},
@@ -108,6 +135,10 @@ class PatchHeader:
             "tensors": [t.to_json() for t in self.tensors],
             "removed": list(self.removed),
         }
+        if self.files or self.removed_files:
+            out["files"] = [f.to_json() for f in self.files]
+            out["removed_files"] = list(self.removed_files)
+        return out
 
     @classmethod
     def from_json(cls, obj: dict, source: str) -> "PatchHeader":
@@ -163,12 +194,19 @@ class _Parser:
             raise self.fail("tensors names a tensor twice")
         removed = tuple(self.name(n, "removed") for n in self.list(obj, "removed", MAX_TENSORS))
         layout = self.layout(self.get(obj, "layout", dict, ""), len(tensors))
+        files, removed_files = self.folder_files(obj, layout)
         header = PatchHeader(
             tool=tool, precision=precision, base_digest=base_digest, target_digest=target_digest,
             base_tensors=self.uint(base, "tensors", "base", MAX_TENSORS),
             target_bytes=self.uint(target, "bytes", "target"),
-            layout=layout, tensors=tensors, removed=removed,
+            layout=layout, tensors=tensors, removed=removed, files=files, removed_files=removed_files,
         )
+        # target.bytes is what apply will write: a size that disagrees would mislead every reader
+        # that plans by it (stats, catch-up's costs).
+        written = (sum(8 + f.header_len for f in layout.files) + sum(t.nbytes for t in tensors)
+                   + (layout.index_len or 0) + sum(f.size for f in files))
+        if header.target_bytes != written:
+            raise self.fail("target.bytes contradicts the layout and tensors")
         # Sections lie back to back in header order: no holes, no overlaps.
         expected = 0
         for ref in header.section_refs():
@@ -243,4 +281,44 @@ class _Parser:
         section = self.section(obj, "layout")
         if section.codec != LAYOUT_CODEC:
             raise self.fail(f"layout.section.codec must be {LAYOUT_CODEC!r}")
-        return Layout(kind, tuple(files), index_len, section)
+        digest = obj.get("digest")
+        if digest is not None and not is_tensor_hash(digest):
+            raise self.fail("layout.digest is not a hash")
+        return Layout(kind, tuple(files), index_len, section, digest)
+
+    def folder_files(self, obj: dict, layout: Layout) -> tuple[tuple[FileRecord, ...], tuple[str, ...]]:
+        """Format 1.1's `files` and `removed_files`: absent in 1.0 patches, only for folders."""
+        if "files" not in obj and "removed_files" not in obj:
+            return (), ()
+        if layout.kind != "dir":
+            raise self.fail("files is only allowed for a folder")
+        taken = {f.name for f in layout.files}
+        records = []
+        for i, f in enumerate(self.list(obj, "files", MAX_FILES)):
+            where = f"files[{i}]"
+            name = self.get(f, "name", str, where)
+            if not is_carried_name(name) or name in taken:
+                raise self.fail(f"{where}.name {name!r} is not allowed")
+            taken.add(name)
+            size = self.uint(f, "bytes", where, MAX_FILE_BYTES)
+            digest = self.get(f, "hash", str, where)
+            if not is_tensor_hash(digest):
+                raise self.fail(f"{where}.hash is not a hash")
+            op = self.get(f, "op", str, where)
+            if op not in FILE_OPS:
+                raise self.fail(f"{where}.op {op!r} is unknown")
+            section = None
+            if op == "full":
+                section = self.section(f, where)
+                if section.codec != FILE_CODEC:
+                    raise self.fail(f"{where}.section.codec must be {FILE_CODEC!r}")
+            elif "section" in f:
+                raise self.fail(f"{where} has a section but op 'same'")
+            records.append(FileRecord(name, size, digest, op, section))
+        removed = []
+        for name in self.list(obj, "removed_files", MAX_FILES):
+            if not isinstance(name, str) or not is_carried_name(name) or name in taken:
+                raise self.fail(f"removed_files names {name!r}, which is not allowed")
+            taken.add(name)
+            removed.append(name)
+        return tuple(records), tuple(removed)

@@ -23,7 +23,7 @@ from pulsediff.errors import (
     TruncatedPatchError,
     UnsupportedVersionError,
 )
-from pulsediff.format import FORMAT_MAJOR, MAGIC, PREAMBLE, encode_header, encode_preamble
+from pulsediff.format import FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMBLE, encode_header, encode_preamble
 
 from ckpt_factory import mutate, random_tensor, save
 
@@ -80,7 +80,7 @@ def test_unknown_major_version_is_refused(small_pair, tmp_path):
     old, _, patch = small_pair
     data = bytearray(patch)
     struct.pack_into("<H", data, 8, FORMAT_MAJOR + 1)
-    with pytest.raises(UnsupportedVersionError, match="version 2.0 is not supported"):
+    with pytest.raises(UnsupportedVersionError, match=rf"version 2\.{FORMAT_MINOR} is not supported"):
         apply_bytes(old, bytes(data), tmp_path / "out")
 
 
@@ -200,6 +200,7 @@ def test_fuzzed_sections_with_valid_checksums(small_pair, tmp_path):
 def test_magic_and_version_are_pinned():
     assert MAGIC == b"PULSEDIF"
     assert FORMAT_MAJOR == 1
+    assert FORMAT_MINOR == 1  # 1.1: layout digest, folder files (docs/FORMAT.md §11)
     assert PREAMBLE.size == 32
 
 

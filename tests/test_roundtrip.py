@@ -121,13 +121,15 @@ def test_sharded_in_place_replaces_shards_and_drops_stale_ones(tmp_path):
     base = {f"t{i}": random_tensor(rng, "F16", (30,)) for i in range(6)}
     target = {k: mutate(rng, v, 0.1) for k, v in base.items()}
     old = save_sharded(base, tmp_path / "old", 3)
-    (old / "config.json").write_text("{}")  # not a checkpoint file: must survive
     new = save_sharded(target, tmp_path / "new", 2)
+    (old / "config.json").write_text("{}")  # unchanged: stays
+    (new / "config.json").write_text("{}")
+    (old / "notes.txt").write_text("old")  # the target lacks it: goes
+    (old / "tokenizer.json").write_text("a")  # changed: replaced
+    (new / "tokenizer.json").write_text("b")
     make_patch(old, new, tmp_path / "p", device="cpu")
     apply_patch(old, tmp_path / "p", in_place=True, device="cpu")
-    got = folder_bytes(old)
-    assert got.pop("config.json") == b"{}"
-    assert got == folder_bytes(new)
+    assert folder_bytes(old) == folder_bytes(new)
 
 
 def test_in_place_file_and_applying_twice_is_harmless(tmp_path):

@@ -21,24 +21,34 @@ def make(
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
     force: Force = False,
+    skip_unsupported: Annotated[bool, typer.Option("--skip-unsupported", help="Leave out of the patch, with a warning, the files of a model folder it cannot carry (weights in other formats such as .bin or .gguf, files over 256 MiB) instead of refusing.")] = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Diff two checkpoints into a patch."""
+    """Diff two checkpoints into a patch.
+
+    For model folders the patch also carries the folder's other files (config.json, tokenizer files, ...),
+    so that `apply -o` rebuilds a folder that loads as it is.
+    """
     if as_json and output == "-":
         raise UsageError("--json prints on stdout, which -o - uses for the patch")
     check_output(output, force=force)
     from ..make import make_patch
 
     out = Output(quiet=quiet, as_json=as_json)
-    header = make_patch(old, new, output, precision=precision, codec=codec, device=device, progress=out.progress())
+    skipped: list[str] = []
+    header = make_patch(old, new, output, precision=precision, codec=codec, device=device, progress=out.progress(),
+                        skip_unsupported=skip_unsupported, skipped=skipped)
+    for note in skipped:
+        out.warn(f"not carried in the patch: {new}/{note}")
     changed = sum(t.changed for t in header.tensors)
     total = sum(t.numel for t in header.tensors)
     size = Path(output).stat().st_size if output != "-" else None
     if as_json:
         out.json({"output": output, "bytes": size, "precision": header.precision, "elements": total,
                   "changed": changed, "base_digest": header.base_digest, "target_digest": header.target_digest,
-                  "target_bytes": header.target_bytes})
+                  "target_bytes": header.target_bytes, "files": [f.name for f in header.files],
+                  "not_carried": skipped})
     elif size is not None:
         out.info(
             f"wrote {output}: {human_bytes(size)} for {changed:,} of {total:,} elements changed "
