@@ -5,7 +5,8 @@ not exist yet, so the committed ones stay as an older pulsediff wrote them.
 Never delete a golden file to "fix" a failing test: the point of those files
 is that patches written by an old pulsediff keep applying, byte for byte.
 
-    python scripts/make_golden.py tests/golden/v1
+    python scripts/make_golden.py tests/golden/v1      # format 1.0 (committed by pulsediff 0.1.0)
+    python scripts/make_golden.py tests/golden/v1.1    # format 1.1: layout digest, model folders
 """
 
 from __future__ import annotations
@@ -62,7 +63,40 @@ def main(out: Path) -> None:
         expected[f"bf16.{codec}.pulsediff"] = {
             "base": "base32.safetensors", "target": "target32.as-bf16.safetensors",
             "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16")}
+    _folder_cases(out, g, expected)
     (out / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
+
+
+def _folder_cases(out: Path, g: torch.Generator, expected: dict) -> None:
+    """Format 1.1 and later: sharded model folders with their other files (config, tokenizer)."""
+    if out.name == "v1":
+        return  # format 1.0 had no folder files; its golden files are as 0.1.0 wrote them
+    def save_folder(folder: Path, tensors: dict, config: str, extra: dict[str, str]) -> None:
+        folder.mkdir()
+        names = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": names[:2], "model-00002-of-00002.safetensors": names[2:]}
+        for shard, keys in shards.items():
+            save_file({k: tensors[k] for k in keys}, str(folder / shard))
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (folder / "config.json").write_text(config)
+        for name, text in extra.items():
+            (folder / name).write_text(text)
+
+    base = {"a": torch.randn(16, 8, generator=g).bfloat16(), "b": torch.randn(8, generator=g).bfloat16(),
+            "c": torch.randn(4, 4, generator=g).bfloat16(), "d": torch.arange(5)}
+    target = dict(base, a=(base["a"].view(torch.int16) + (torch.arange(128).view(16, 8) % 7 == 0)).view(torch.bfloat16))
+    tokenizer = json.dumps({"model": {"vocab": {f"t{i}": i for i in range(50)}}})
+    _write_once(out / "base_dir", lambda p: save_folder(p, base, '{"model_type": "llama", "step": 0}\n',
+                                                        {"tokenizer.json": tokenizer, "notes.txt": "dropped"}))
+    _write_once(out / "target_dir", lambda p: save_folder(p, target, '{"model_type": "llama", "step": 1}\n',
+                                                          {"tokenizer.json": tokenizer}))
+    for codec in CODECS:
+        name = f"exact.folder.{codec}.pulsediff"
+        _write_once(out / name, lambda p: make_patch(out / "base_dir", out / "target_dir", p, codec=codec, device="cpu"))
+        expected[name] = {"base": "base_dir", "target": "target_dir",
+                          "target_digest": checkpoint_digest_of(out / "target_dir")}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import pytest
 from pulsediff import apply_patch, read_patch_header
 from pulsediff.inspect import checkpoint_digest_of
 
+from ckpt_factory import folder_bytes
+
 GOLDEN = Path(__file__).parent / "golden"
 CASES = [(version, name, spec) for version in sorted(p for p in GOLDEN.iterdir() if p.is_dir())
          for name, spec in json.loads((version / "expected.json").read_text()).items()]
@@ -27,12 +29,24 @@ def test_golden_patch_applies(tmp_path, folder, patch, spec, device):
 
         if not cuda_usable()[0]:
             pytest.skip("no CUDA (real or simulated)")
-    out = tmp_path / "out.safetensors"
+    target = folder / spec["target"]
+    out = tmp_path / ("out" if target.is_dir() else "out.safetensors")
     header = read_patch_header(folder / patch)
     assert header.target_digest == spec["target_digest"]
     apply_patch(folder / spec["base"], folder / patch, out, device=device)
-    assert checkpoint_digest_of(out) == checkpoint_digest_of(folder / spec["target"])
-    assert out.read_bytes() == (folder / spec["target"]).read_bytes()
+    assert checkpoint_digest_of(out) == checkpoint_digest_of(target)
+    if target.is_dir():  # every file of the folder, config and tokenizer included, byte for byte
+        assert folder_bytes(out) == folder_bytes(target)
+    else:
+        assert out.read_bytes() == target.read_bytes()
+
+
+def test_golden_covers_every_format_version_and_folder_files():
+    from pulsediff.format import FORMAT_MINOR
+
+    assert (GOLDEN / f"v1.{FORMAT_MINOR}").is_dir() if FORMAT_MINOR else (GOLDEN / "v1").is_dir()
+    folder_patches = [read_patch_header(folder / p) for folder, p, _ in CASES if p.startswith("exact.folder.")]
+    assert folder_patches and all({f.op for f in h.files} == {"same", "full"} and h.removed_files for h in folder_patches)
 
 
 def test_golden_covers_every_codec():
