@@ -10,8 +10,8 @@ from __future__ import annotations
 class Progress:
     """No-op progress sink; subclass to display."""
 
-    def begin(self, description: str, total_bytes: int, total_tensors: int) -> None:
-        pass
+    def begin(self, description: str, total_bytes: int, total_tensors: int, unit: str = "tensors") -> None:
+        """`total_tensors` counts `unit`s: tensors, or files for a download."""
 
     def advance(self, nbytes: int, tensors: int = 1) -> None:
         pass

@@ -18,7 +18,10 @@ makes a worker 20 steps behind fast.
 
 Every file appears atomically (written under a temporary name, then renamed),
 and the manifest is replaced last, so an rsync running at any moment copies
-either the old state or the new one, never half a file. `catch_up` reads the
+either the old state or the new one, never half a file. The folder may also
+be an S3 prefix, and catch-up's source an S3 prefix or an HTTP(S) URL: both
+sides talk to a `Store` (store.py), which uploads, downloads and caches.
+`catch_up` reads the
 manifest, finds the cheapest path (in bytes) from a worker's checkpoint (or
 from nothing, through an anchor) to the newest step, checks every file on it
 and applies it as one chain; a missing or damaged file is dropped from the
@@ -28,7 +31,6 @@ error, never a wrong checkpoint.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from .digest import checkpoint_digest
 from .errors import CheckpointNotFoundError, InvalidManifestError, PulsediffError, UsageError
 from .manifest import MANIFEST, Entry, Manifest, cheapest_paths
 from .progress import SILENT, Progress
+from .store import Store, open_store, size_problem
 
 # The step is the number after "step" (step_12, global_step12), else the last number in the name
 # (checkpoint-500): `fp32_step0` is step 0 and `step5_bf16` step 5. A user's pattern: its first group.
@@ -149,7 +152,7 @@ class PublishReport:
         return any(why == "settling" for why in self.pending.values())
 
 
-def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep: int | None = None,
+def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every: int = 10, keep: int | None = None,
                  skips: bool = True, precision: str = "exact", codec: str | None = None, device: str | None = None,
                  pattern: str = DEFAULT_STEP_PATTERN, ready: str = "stable", settle: float = DEFAULT_SETTLE,
                  progress: Progress = SILENT) -> PublishReport:
@@ -157,10 +160,8 @@ def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep
 
     Stops at the first step that is not complete yet (see above), so steps are
     never published out of order; an old file that never opens is skipped.
+    `out_dir` is a folder, an `s3://bucket/prefix` URL, or a Store.
     """
-    from .inspect import checkpoint_digest_of
-    from .make import make_patch
-
     if anchor_every < 1:
         raise UsageError("--anchor-every must be at least 1")
     if ready not in READY_RULES:
@@ -169,10 +170,23 @@ def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep
         raise UsageError("--settle must be a number of seconds, 0 or more")
     if not train_dir.is_dir():
         raise CheckpointNotFoundError(str(train_dir), "training folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest.load(out_dir) or Manifest(precision, [])
+    dest = open_store(out_dir)
+    try:
+        return _publish_once(train_dir, dest, anchor_every=anchor_every, keep=keep, skips=skips, precision=precision,
+                             codec=codec, device=device, pattern=pattern, ready=ready, settle=settle, progress=progress)
+    finally:
+        if dest is not out_dir:
+            dest.close()
+
+
+def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, precision, codec, device, pattern, ready,
+                  settle, progress) -> PublishReport:
+    from .inspect import checkpoint_digest_of
+    from .make import make_patch
+
+    manifest = dest.read_manifest() or Manifest(precision, [])
     if manifest.precision != precision:
-        raise UsageError(f"{out_dir} holds {manifest.precision} patches; publish with --precision {manifest.precision}")
+        raise UsageError(f"{dest.location} holds {manifest.precision} patches; publish with --precision {manifest.precision}")
     kwargs = {"precision": precision, "device": device, "progress": progress}
     if codec:
         kwargs["codec"] = codec
@@ -212,16 +226,17 @@ def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep
         # (the first step, or the previous checkpoint is gone from the training folder).
         if prev is None or index % anchor_every == 0:
             planned.append(("anchor", f"anchor-{step:08d}.pulsediff", None, None))
-        staged: list[tuple[Path, Path]] = []
+        staged: list[tuple[Path, str]] = []
+        staging = dest.staging()
         try:
             new_entries = []
             for kind, name, base_path, from_step in planned:
-                tmp = out_dir / f"{temp_prefix(out_dir / name)}staged{TMP_SUFFIX}"
-                staged.append((tmp, out_dir / name))
+                tmp = staging / f"{temp_prefix(staging / name)}staged{TMP_SUFFIX}"
+                staged.append((tmp, name))
                 header = make_patch(base_path, path, tmp, **kwargs)
                 if from_step is not None and digest_at.get(from_step, header.base_digest) != header.base_digest:
                     raise PulsediffError(f"{base_path} changed after step {from_step} was published; "
-                                         f"its digest is no longer the one in {out_dir / MANIFEST}")
+                                         f"its digest is no longer the one in {dest.where(MANIFEST)}")
                 new_entries.append(Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
                                          tmp.stat().st_size, header.target_bytes))
             # The second look: the checkpoint read while making the patches must be the one there now.
@@ -229,21 +244,20 @@ def publish_once(train_dir: Path, out_dir: Path, *, anchor_every: int = 10, keep
             if _fingerprint_or_none(path) != before or any(e.target != again for e in new_entries):
                 report.pending[path.name] = "settling"  # it changed while we read it: try again later
                 break
-            for tmp, final in staged:
-                os.replace(tmp, final)
+            dest.commit(staged)  # every file in place (uploaded) before the manifest names it
             staged.clear()
         finally:
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)
         manifest.entries.extend(new_entries)
-        manifest.save(out_dir)  # last: the files it names are already in place
+        dest.save_manifest(manifest)  # last: the files it names are already in place
         report.patches += sum(e.kind == "patch" for e in new_entries)
         report.anchors += sum(e.kind == "anchor" for e in new_entries)
         steps_done.append(step)
         digest_at[step] = new_entries[0].target
         prev, last_step = path, step
     if keep is not None:
-        report.pruned = _prune(manifest, out_dir, keep)
+        report.pruned = _prune(manifest, dest, keep)
     return report
 
 
@@ -254,7 +268,7 @@ def _fingerprint_or_none(path: Path) -> tuple | None:
         return None
 
 
-def _prune(manifest: Manifest, out_dir: Path, keep: int) -> int:
+def _prune(manifest: Manifest, dest: Store, keep: int) -> int:
     """Keep the newest `keep` anchors and everything after the oldest of them."""
     if keep < 1:
         raise UsageError("--keep must be at least 1")
@@ -264,13 +278,12 @@ def _prune(manifest: Manifest, out_dir: Path, keep: int) -> int:
     oldest_kept = anchors[-keep].step
     drop = [e for e in manifest.entries if e.step < oldest_kept or (e.kind == "patch" and e.step == oldest_kept)]
     manifest.entries = [e for e in manifest.entries if e not in drop]
-    manifest.save(out_dir)  # first the manifest stops naming them, then they go
-    for e in drop:
-        (out_dir / e.file).unlink(missing_ok=True)
+    dest.save_manifest(manifest)  # first the manifest stops naming them, then they go
+    dest.delete([e.file for e in drop])
     return len(drop)
 
 
-def publish(train_dir: Path, out_dir: Path, *, watch: bool = False, interval: float = 2.0,
+def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = False, interval: float = 2.0,
             idle_exit: float | None = None, on_report=None, **kwargs) -> PublishReport:
     """`publish_once`, and with `watch` again every `interval` s.
 
@@ -283,11 +296,20 @@ def publish(train_dir: Path, out_dir: Path, *, watch: bool = False, interval: fl
     """
     if not interval > 0:
         raise UsageError("--interval must be a positive number of seconds")
+    dest = open_store(out_dir)
+    try:
+        return _publish_loop(train_dir, dest, watch, interval, idle_exit, on_report, kwargs)
+    finally:
+        if dest is not out_dir:
+            dest.close()
+
+
+def _publish_loop(train_dir, dest: Store, watch, interval, idle_exit, on_report, kwargs) -> PublishReport:
     total = PublishReport()
-    last_change = time.monotonic() if Manifest.load(out_dir) else None
+    last_change = time.monotonic() if dest.read_manifest() else None
     started = time.monotonic()
     while True:
-        report = publish_once(train_dir, out_dir, **kwargs)
+        report = publish_once(train_dir, dest, **kwargs)
         for name in ("patches", "anchors", "pruned"):
             setattr(total, name, getattr(total, name) + getattr(report, name))
         total.pending, total.skipped = report.pending, report.skipped
@@ -331,15 +353,16 @@ class CatchUpPlan:
     step: int  # the newest published step
     files: list[str]  # the chain catch-up would apply, in order; empty when already there
     from_anchor: bool
+    urls: list[str] = field(default_factory=list)  # where each file is: its name in a folder, its URL remotely
 
 
-def _where_we_are(checkpoint: Path, patch_dir: Path, progress: Progress):
+def _where_we_are(checkpoint: Path, source: Store, progress: Progress):
     """(manifest, the checkpoint's tensor ids or None, its digest or None)."""
     from .inspect import tensor_ids
 
-    manifest = Manifest.load(patch_dir)
+    manifest = source.read_manifest()
     if manifest is None or not manifest.entries:
-        raise CheckpointNotFoundError(str(patch_dir / MANIFEST), "manifest")
+        raise CheckpointNotFoundError(source.where(MANIFEST), "manifest")
     ids = None  # hashed once here, handed to apply
     if checkpoint.exists():
         with Checkpoint(checkpoint) as ckpt:
@@ -355,64 +378,82 @@ def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
     return sorted({(e.step, e.target) for e in manifest.entries if e.step > floor}, reverse=True)
 
 
-def plan_catch_up(checkpoint: Path, patch_dir: Path, *, progress: Progress = SILENT) -> CatchUpPlan:
+def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress: Progress = SILENT) -> CatchUpPlan:
     """The files catch-up would apply, judged from the manifest alone (the files need not be here).
 
     For fetching only what is needed: a worker that mirrors the whole folder
     would also download every anchor, each nearly the size of the checkpoint.
+    `urls` holds where each file is: its name for a folder (for `rsync
+    --files-from`), its URL for a remote source.
     """
-    manifest, _, have = _where_we_are(checkpoint, patch_dir, progress)
+    source = open_store(patch_dir)
+    manifest, _, have = _where_we_are(checkpoint, source, progress)
     newest = manifest.newest
     if have == newest.target:
         return CatchUpPlan(newest.step, [], False)
     paths = cheapest_paths(manifest.entries, have)
     if not paths.reaches(newest.target):
-        raise PulsediffError(f"the manifest in {patch_dir} has no chain from {checkpoint} to step {newest.step}")
+        raise PulsediffError(f"the manifest in {source.location} has no chain from {checkpoint} to step {newest.step}")
     path = paths.path_to(newest.target)
-    return CatchUpPlan(newest.step, [e.file for e in path], path[0].kind == "anchor")
+    return CatchUpPlan(newest.step, [e.file for e in path], path[0].kind == "anchor", [source.where(e.file) for e in path])
 
 
-def catch_up(checkpoint: Path, patch_dir: Path, out: Path | None = None, *, device: str | None = None,
-             progress: Progress = SILENT) -> CatchUpResult:
+def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None = None, *, device: str | None = None,
+             cache: Path | None = None, progress: Progress = SILENT) -> CatchUpResult:
+    """Bring `checkpoint` (or a new `out`) to the newest step published at `patch_dir`: a folder, an
+    `s3://bucket/prefix` or `http(s)://` URL (files are fetched into `cache`), or a Store."""
+    source = open_store(patch_dir, cache=cache)
+    try:
+        return _catch_up(checkpoint, source, out, device, progress)
+    finally:
+        if source is not patch_dir:
+            source.close()
+
+
+def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | None,
+              progress: Progress) -> CatchUpResult:
     from .apply import apply_chain
 
-    manifest, ids, have = _where_we_are(checkpoint, patch_dir, progress)
+    manifest, ids, have = _where_we_are(checkpoint, source, progress)
     newest = manifest.newest
     out_path = out or checkpoint
+
+    def check(path: Path, e: Entry) -> str | None:
+        return _check_file(path, e, manifest.precision, source.where(MANIFEST))
+
     if have == newest.target:
         if out is not None and out != checkpoint and not out.exists():  # the copy goes through a checked file
-            problem = _check_file(patch_dir, newest, manifest.precision)
+            problem = source.fetch([newest], check, progress).get(newest.file)
             if problem is not None:
                 raise PulsediffError(f"{checkpoint} is at step {newest.step}, but {out} cannot be written from "
                                      f"{newest.file}: {problem}")
-            apply_chain(checkpoint, [patch_dir / newest.file], out, device=device, progress=progress, base_ids=ids)
+            apply_chain(checkpoint, [source.path(newest.file)], out, device=device, progress=progress, base_ids=ids)
+            source.forget([newest.file], {e.file for e in manifest.entries})
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
     goals = _goals(manifest, have)
-    problems = {e.file: why for e in manifest.entries if (why := _size_problem(patch_dir / e.file, e)) is not None}
+    problems = source.known_problems(manifest.entries)
     trusted: set[str] = set()
     for _ in range(MAX_SEARCHES):  # one search, then again only after a file on the chosen chain turned out damaged
         paths = cheapest_paths(manifest.entries, have, set(problems))
         goal = next((digest for _, digest in goals if paths.reaches(digest)), None)
         if goal is None:
             raise PulsediffError(
-                f"cannot reach any newer step from {checkpoint}: no intact chain in {patch_dir}"
+                f"cannot reach any newer step from {checkpoint}: no intact chain in {source.location}"
                 + (f" ({_describe(problems)})" if problems else ""))
         chain = paths.path_to(goal)
-        for e in chain:
-            if e.file not in trusted:
-                problem = _check_file(patch_dir, e, manifest.precision)
-                if problem is None:
-                    trusted.add(e.file)
-                else:
-                    problems[e.file] = problem
+        new = [e for e in chain if e.file not in trusted]
+        found = source.fetch(new, check, progress)  # fetched (when remote) and checked
+        problems.update(found)
+        trusted.update(e.file for e in new if e.file not in found)
         if all(e.file in trusted for e in chain):
             break
     else:
-        raise PulsediffError(f"gave up after finding damaged files on {MAX_SEARCHES} chains in {patch_dir} "
+        raise PulsediffError(f"gave up after finding damaged files on {MAX_SEARCHES} chains in {source.location} "
                              f"({_describe(problems)})")
     from_anchor = chain[0].kind == "anchor"
-    result = apply_chain(None if from_anchor else checkpoint, [patch_dir / e.file for e in chain], out_path,
+    result = apply_chain(None if from_anchor else checkpoint, [source.path(e.file) for e in chain], out_path,
                          device=device, progress=progress, base_ids=None if from_anchor else ids)
+    source.forget([e.file for e in chain], {e.file for e in manifest.entries})
     step = manifest.step_of(result.header.target_digest)  # the digest rebuilt and verified, not a label
     status = "applied" if step == newest.step else "partial"
     # Worth saying: what was found wrong, and files missing from the chain the manifest itself points to
@@ -429,27 +470,15 @@ def _describe(problems: dict[str, str]) -> str:
     return "; ".join(f"{name}: {why}" for name, why in shown) + more
 
 
-def _size_problem(path: Path, e: Entry) -> str | None:
-    """A missing or half-fetched file, found by one stat: no search has to meet it first."""
-    try:
-        size = path.stat().st_size if path.is_file() else None
-    except OSError:
-        size = None
-    if size is None:
-        return "missing"
-    return f"{size} bytes, the manifest says {e.bytes}" if size != e.bytes else None
-
-
-def _check_file(patch_dir: Path, e: Entry, precision: str) -> str | None:
-    """Why the file for entry `e` cannot be used (missing, half-fetched, damaged), or None.
+def _check_file(path: Path, e: Entry, precision: str, manifest_where: str) -> str | None:
+    """Why the file for entry `e`, at `path`, cannot be used (missing, half-fetched, damaged), or None.
 
     A file that is intact but whose header contradicts its entry raises:
     then the manifest is not telling the truth about the series.
     """
     from .apply import verify_patch_file
 
-    path = patch_dir / e.file
-    problem = _size_problem(path, e)
+    problem = size_problem(path, e)
     if problem is not None:
         return problem
     try:
@@ -460,7 +489,7 @@ def _check_file(patch_dir: Path, e: Entry, precision: str) -> str | None:
     found = (header.precision, header.base_digest, header.target_digest, header.target_bytes)
     if found != said:
         what = [w for w, a, b in zip(("precision", "base digest", "target digest", "target size"), said, found) if a != b]
-        raise InvalidManifestError(str(patch_dir / MANIFEST),
+        raise InvalidManifestError(manifest_where,
                                    f"the entry for {e.file} (step {e.step}) does not match the file's own header "
                                    f"({', '.join(what)} differ); nothing was applied")
     return None

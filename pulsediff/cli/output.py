@@ -75,14 +75,14 @@ class _RichProgress(Progress):
         self.console = console
         self._bar = None
 
-    def begin(self, description, total_bytes, total_tensors):
+    def begin(self, description, total_bytes, total_tensors, unit="tensors"):
         from rich.progress import (BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
         from rich.progress import Progress as Bar
 
         self.end()
         self._bar = Bar(TextColumn("{task.description:<12}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        TextColumn("{task.fields[tensors]}/{task.fields[total_tensors]} tensors"), TimeRemainingColumn(),
+                        TextColumn("{task.fields[tensors]}/{task.fields[total_tensors]} " + unit), TimeRemainingColumn(),
                         console=self.console, transient=True)
         self._bar.start()
         self._task = self._bar.add_task(description, total=total_bytes, tensors=0, total_tensors=total_tensors)

@@ -14,7 +14,9 @@ from .output import Output
 
 def publish(
     train_dir: Annotated[Path, typer.Argument(help="Folder where the trainer writes checkpoints (step number in each name).")],
-    out_dir: Annotated[Path, typer.Argument(help="Folder to fill with patches, anchors and manifest.json (rsync it).")],
+    out_dir: Annotated[str, typer.Argument(metavar="DEST", help="Folder to fill with patches, anchors and manifest.json "
+                       "(rsync it), or s3://bucket/prefix (endpoint, region and keys from the AWS_* variables or "
+                       "AWS_PROFILE).")],
     anchor_every: Annotated[int, typer.Option("--anchor-every", help="Write a full anchor every N steps.")] = 10,
     keep: Annotated[Optional[int], typer.Option("--keep", help="Keep only the newest K anchors and what follows them.")] = None,
     skips: Annotated[bool, typer.Option("--skips/--no-skips", help="Also write skip patches (from 2, 4, 8, ... steps back) so that catch-up needs few links.")] = True,
@@ -34,7 +36,7 @@ def publish(
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
-    """Turn a trainer's checkpoints into patches and anchors that workers can rsync."""
+    """Turn a trainer's checkpoints into patches and anchors that workers can rsync or fetch from S3."""
     from ..series import DEFAULT_STEP_PATTERN
     from ..series import publish as run
 
@@ -62,10 +64,14 @@ def publish(
 
 def catch_up(
     checkpoint: Annotated[Path, typer.Argument(help="The worker's checkpoint (need not exist yet).")],
-    patch_dir: Annotated[Path, typer.Argument(help="A folder written by `pulsediff publish` (or an rsync copy of it).")],
+    patch_dir: Annotated[str, typer.Argument(metavar="SOURCE", help="Where `pulsediff publish` wrote: its folder (or an "
+                         "rsync copy), an s3://bucket/prefix, or an http(s):// URL serving that folder.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of updating CHECKPOINT in place.")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Only print the files the cheapest chain needs, one per line "
-                                       "(for `rsync --files-from=-`), judged from the manifest; change nothing.")] = False,
+                                       "(names for `rsync --files-from=-`; URLs for a remote SOURCE), judged from the "
+                                       "manifest; change nothing.")] = False,
+    cache: Annotated[Optional[Path], typer.Option("--cache", help="Remote SOURCE: folder for downloads (resumed from "
+                     "there after an interruption). Default: ~/.cache/pulsediff/<one folder per SOURCE>.")] = None,
     device: Device = "auto",
     quiet: Quiet = False,
     as_json: Json = False,
@@ -79,12 +85,12 @@ def catch_up(
 
         planned = plan_catch_up(checkpoint, patch_dir)
         if as_json:
-            out.json({"step": planned.step, "files": planned.files, "from_anchor": planned.from_anchor})
+            out.json({"step": planned.step, "files": planned.files, "urls": planned.urls, "from_anchor": planned.from_anchor})
             return
-        for name in planned.files:
-            out.line(name)
+        for where in planned.urls:
+            out.line(where)
         return
-    result = run(checkpoint, patch_dir, output, device=device, progress=out.progress())
+    result = run(checkpoint, patch_dir, output, device=device, cache=cache, progress=out.progress())
     if as_json:
         out.json({"output": str(result.output), "status": result.status, "step": result.step, "files": result.files,
                   "from_anchor": result.from_anchor, "skipped": result.problems})
