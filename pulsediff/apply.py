@@ -52,6 +52,7 @@ class ApplyResult:
     links_applied: int = 1
     base_is_target: bool = False  # the base already was the target (a patch made with OLD and NEW swapped?)
     dry_run: bool = False  # everything was checked, nothing written ("applied" says what would have been)
+    layout_from_base: bool = False  # bf16: the files keep the receiver's (base's) BF16 layout, not the patch's
 
 
 def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, BinaryIO | None]:
@@ -191,17 +192,27 @@ def apply_chain(
                 links = links[later[-1]:]
                 if _already_target(out_path, final):
                     return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
-            _check_output_kind(final, out_path)
-            files = _FolderFiles(links or [final_link], base_ckpt, final, in_place, sequential=len(patches) == 1)
+            receiver = _receiver_layout(base_ckpt, view, final)
+            sequential = len(patches) == 1  # one patch, maybe on stdin: read it front to back
+            if receiver is not None and sequential and receiver.order != [r.name for r in final.tensors]:
+                if _seekable(first_link.reader.stream):
+                    sequential = False  # the receiver's order: read the sections where they lie
+                else:
+                    receiver = None  # stdin cannot be read out of order: the patch's layout
+            _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
+            files = _FolderFiles(links or [final_link], base_ckpt, final, in_place, sequential)
             if dry_run:
-                return ApplyResult("applied", out_path, final, len(links), base_is_target, True)
-            if len(patches) == 1:  # one patch, maybe on stdin: read it front to back
-                _apply_streaming(first_link, view, get_backend(device), out_path, progress, files, copy_all=not links)
+                return ApplyResult("applied", out_path, final, len(links), base_is_target, True, receiver is not None)
+            backend = get_backend(device)
+            if sequential:
+                _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links)
             else:
-                _apply_random_access(links, final_link, view, get_backend(device), out_path, progress, files)
+                _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver)
             if in_place:
-                _remove_stale_files(base_ckpt, final, files.removed)
-        return ApplyResult("applied", out_path, final, len(links), base_is_target)
+                keep = receiver or _TargetFiles.of_patch(final, None, "")
+                _remove_stale_files(base_ckpt, keep, files.removed)
+        return ApplyResult("applied", out_path, final, len(links), base_is_target,
+                           layout_from_base=receiver is not None)
 
 
 def _check_links(links: list[_Link]) -> None:
@@ -215,7 +226,7 @@ def _check_links(links: list[_Link]) -> None:
 
 
 def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress,
-                     files: "_FolderFiles", copy_all: bool = False) -> None:
+                     files: "_FolderFiles", receiver: "_TargetFiles | None", copy_all: bool = False) -> None:
     """One patch, read front to back (works on stdin): each section is decoded as it arrives.
 
     `copy_all`: the base already is the target, so every tensor comes from it
@@ -235,11 +246,12 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
     def before_commit() -> None:
         reader.expect_end(header.sections_length)
 
-    _write_target(header, layout_blob, target_bits, files, out_path, progress, reader.source, before_commit)
+    target = receiver or _TargetFiles.of_patch(header, layout_blob, reader.source)
+    _write_target(header, target, target_bits, files, out_path, progress, before_commit)
 
 
 def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
-                         progress: Progress, files: "_FolderFiles") -> None:
+                         progress: Progress, files: "_FolderFiles", receiver: "_TargetFiles | None") -> None:
     """A chain: each target tensor is carried through every link in turn, in memory.
 
     `links` may be empty (the base already is the target): then only the
@@ -254,7 +266,8 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
     def target_bits(rec: TensorRecord) -> np.ndarray:
         return _carry_through(rec.name, links, view, backend, scratch)
 
-    _write_target(final, layout_blob, target_bits, files, out_path, progress, final_link.reader.source, lambda: None)
+    target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
+    _write_target(final, target, target_bits, files, out_path, progress, lambda: None)
 
 
 def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
@@ -417,33 +430,82 @@ class _FolderFiles:
         return self.base_bytes(rec)
 
 
-def _check_output_kind(header: PatchHeader, out_path: Path) -> None:
-    if header.layout.kind == "dir" and out_path.exists() and not out_path.is_dir():
+def _check_output_kind(kind: str, out_path: Path) -> None:
+    if kind == "dir" and out_path.exists() and not out_path.is_dir():
         raise UsageError(f"{out_path} is a file, but the patch rebuilds a sharded folder")
-    if header.layout.kind == "file" and out_path.is_dir():
+    if kind == "file" and out_path.is_dir():
         raise UsageError(f"{out_path} is a folder, but the patch rebuilds a single file")
 
 
-def _write_target(header: PatchHeader, blob: bytes, target_bits, files: _FolderFiles, out_path: Path,
-                  progress: Progress, source: str, before_commit) -> None:
+@dataclass
+class _TargetFiles:
+    """The checkpoint files apply writes: kind, and per file its safetensors header and tensors in data order."""
+
+    kind: str
+    files: list[tuple[str, bytes, tuple[TensorRecord, ...]]]
+    index: bytes | None
+
+    @property
+    def order(self) -> list[str]:
+        return [r.name for _, _, records in self.files for r in records]
+
+    @classmethod
+    def of_patch(cls, header: PatchHeader, blob: bytes | None, source: str) -> "_TargetFiles":
+        """The patch's own layout (with `blob` None: names only, for cleaning up after in-place)."""
+        files, pos, first = [], 0, 0
+        for lf in header.layout.files:
+            records = header.tensors[first : first + lf.tensors]
+            raw = blob[pos : pos + lf.header_len] if blob is not None else b""
+            if blob is not None:
+                _check_file_header(raw, records, lf.name, source)
+            files.append((lf.name, raw, records))
+            pos, first = pos + lf.header_len, first + lf.tensors
+        index = None
+        if header.layout.index_len is not None:
+            index = blob[pos : pos + header.layout.index_len] if blob is not None else b""
+        return cls(header.layout.kind, files, index)
+
+
+def _receiver_layout(base: Checkpoint, view: TensorView, final: PatchHeader) -> _TargetFiles | None:
+    """In bf16 mode, the base's own file layout when the base already is a BF16 checkpoint of the same
+    tensors: the receiver keeps its files as its own tool saved them (names, sharding, metadata, order),
+    rather than the layout of the trainer's FP32 files. None when that does not hold."""
+    if final.precision != "bf16" or not base.shards:
+        return None
+    records = {r.name: r for r in final.tensors}
+    if set(base.names) != set(records) or any(view.casts(base.entry(n).dtype) for n in base.names):
+        return None
+    files = []
+    for shard in base.shards:
+        entries = shard.header.tensors
+        if any((e.dtype.name, e.shape) != (records[e.name].dtype.name, records[e.name].shape) for e in entries):
+            return None
+        files.append((shard.name, shard.header.raw, tuple(records[e.name] for e in entries)))
+    return _TargetFiles(base.kind, files, base.index_bytes)
+
+
+def _seekable(stream) -> bool:
+    """A file on disk (random access checks its size through the descriptor)."""
+    try:
+        return stream.seekable() and stream.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files: _FolderFiles, out_path: Path,
+                  progress: Progress, before_commit) -> None:
     """Write the target's files from staged temporaries; rename only once all is verified.
 
     A new output folder is built whole under a temporary name and renamed
     into place, so a failure or a kill never leaves a folder behind.
     """
-    layout = header.layout
     progress.begin("apply", sum(r.nbytes for r in header.tensors), len(header.tensors))
     rebuilt: list[TensorId] = []
-    pos = first = 0
     with StagedFiles() as staged:
-        if layout.kind == "dir" and not out_path.exists():
+        if target.kind == "dir" and not out_path.exists():
             staged.new_folder(out_path)
-        for lf in layout.files:
-            raw = blob[pos : pos + lf.header_len]
-            records = header.tensors[first : first + lf.tensors]
-            pos, first = pos + lf.header_len, first + lf.tensors
-            _check_file_header(raw, records, lf.name, source)
-            with staged.open(out_path if layout.kind == "file" else out_path / lf.name, direct=True) as f:
+        for name, raw, records in target.files:
+            with staged.open(out_path if target.kind == "file" else out_path / name, direct=True) as f:
                 f.write(len(raw).to_bytes(8, "little"))
                 f.write(raw)
                 for rec in records:
@@ -452,9 +514,9 @@ def _write_target(header: PatchHeader, blob: bytes, target_bits, files: _FolderF
                         f.write(memoryview(np.ascontiguousarray(bits)).cast("B"))
                     rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
                     progress.advance(rec.nbytes)
-        if layout.index_len is not None:
+        if target.index is not None:
             with staged.open(out_path / INDEX_NAME) as f:
-                f.write(blob[pos : pos + layout.index_len])
+                f.write(target.index)
         for rec in files.final:
             data = files.contents(rec, *files.section(rec))
             if data is not None:
@@ -478,16 +540,16 @@ def _check_file_header(raw: bytes, records, file_name: str, source: str) -> None
         raise CorruptPatchError(source, f"layout header of {file_name or 'the file'} does not match the tensor list")
 
 
-def _remove_stale_files(base: Checkpoint, header: PatchHeader, removed_files: list[str]) -> None:
+def _remove_stale_files(base: Checkpoint, target: _TargetFiles, removed_files: list[str]) -> None:
     """After an in-place apply to a folder: drop base shards (and index) the target no longer has,
     and the other files the patches say the target lost."""
     if base.kind != "dir":
         return
-    keep = {f.name for f in header.layout.files}
+    keep = {name for name, _, _ in target.files}
     for shard in base.shards:
         if shard.name not in keep:
             shard.path.unlink(missing_ok=True)
-    if header.layout.index_len is None and base.index_bytes is not None:
+    if target.index is None and base.index_bytes is not None:
         (base.path / INDEX_NAME).unlink(missing_ok=True)
     for name in removed_files:
         (base.path / name).unlink(missing_ok=True)

@@ -43,7 +43,7 @@ def apply(
     if as_json:
         out.json({"output": str(result.output), "status": result.status, "dry_run": result.dry_run,
                   "patches_applied": result.links_applied, "base_is_target": result.base_is_target,
-                  "target_digest": target})
+                  "target_digest": target, "layout": "base" if result.layout_from_base else "patch"})
         return
     would = "would write" if result.dry_run else "wrote"
     if result.base_is_target:
@@ -59,4 +59,5 @@ def apply(
         n = result.links_applied
         links = "" if n == 1 else f", {n} patches"
         verified = "all checks passed" if result.dry_run else "verified"
-        out.info(f"{would} {result.output} ({target}, {verified}{links})")
+        layout = f", in {base}'s own BF16 file layout" if result.layout_from_base else ""
+        out.info(f"{would} {result.output} ({target}, {verified}{links}{layout})")
