@@ -204,13 +204,12 @@ def apply_chain(
             if dry_run:
                 return ApplyResult("applied", out_path, final, len(links), base_is_target, True, receiver is not None)
             backend = get_backend(device)
+            if in_place:  # removed with the renames, under the same intent record
+                files.stale = _stale_paths(base_ckpt, receiver or _TargetFiles.of_patch(final, None, ""), files.removed)
             if sequential:
                 _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links)
             else:
                 _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver)
-            if in_place:
-                keep = receiver or _TargetFiles.of_patch(final, None, "")
-                _remove_stale_files(base_ckpt, keep, files.removed)
         return ApplyResult("applied", out_path, final, len(links), base_is_target,
                            layout_from_base=receiver is not None)
 
@@ -382,6 +381,7 @@ class _FolderFiles:
         self.sequential = sequential  # one patch is read front to back (it may be stdin)
         self.strict = final.precision == "exact"
         self.in_place = in_place
+        self.stale: list[Path] = []  # in place: base files the target does not have, removed at commit
         self.base_dir = base.path if base.kind == "dir" else None
         self.from_link: dict[str, tuple[_Link, FileRecord]] = {}
         for rec in self.final:
@@ -525,6 +525,8 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
         before_commit()
         if checkpoint_digest(rebuilt) != header.target_digest:
             raise TargetMismatchError(header.target_digest, checkpoint_digest(rebuilt))
+        for path in files.stale:
+            staged.remove_at_commit(path)
         staged.commit()
     progress.end()
 
@@ -540,16 +542,13 @@ def _check_file_header(raw: bytes, records, file_name: str, source: str) -> None
         raise CorruptPatchError(source, f"layout header of {file_name or 'the file'} does not match the tensor list")
 
 
-def _remove_stale_files(base: Checkpoint, target: _TargetFiles, removed_files: list[str]) -> None:
-    """After an in-place apply to a folder: drop base shards (and index) the target no longer has,
-    and the other files the patches say the target lost."""
+def _stale_paths(base: Checkpoint, target: _TargetFiles, removed_files: list[str]) -> list[Path]:
+    """For an in-place apply to a folder: base shards (and index) the target no longer has, and the
+    other files the patches say the target lost."""
     if base.kind != "dir":
-        return
+        return []
     keep = {name for name, _, _ in target.files}
-    for shard in base.shards:
-        if shard.name not in keep:
-            shard.path.unlink(missing_ok=True)
+    stale = [shard.path for shard in base.shards if shard.name not in keep]
     if target.index is None and base.index_bytes is not None:
-        (base.path / INDEX_NAME).unlink(missing_ok=True)
-    for name in removed_files:
-        (base.path / name).unlink(missing_ok=True)
+        stale.append(base.path / INDEX_NAME)
+    return stale + [base.path / name for name in removed_files]

@@ -70,6 +70,10 @@ class StagedFiles:
     def __init__(self) -> None:
         self._staged: list[tuple[Path, Path]] = []  # (temporary, final)
         self._folders: dict[Path, Path] = {}  # final folder -> temporary folder
+        self._removals: list[Path] = []  # files to delete at commit (an in-place folder's stale shards)
+
+    def remove_at_commit(self, path: Path) -> None:
+        self._removals.append(Path(path))
 
     def new_folder(self, final: Path) -> None:
         final = Path(final)
@@ -112,6 +116,22 @@ class StagedFiles:
             raise output_error(final, exc) from None
 
     def commit(self) -> None:
+        """Rename everything into place. Several changes in one existing folder (an in-place apply to a
+        sharded checkpoint) are first written down in an intent record there, so that a kill between two
+        renames is finished by the next pulsediff run that opens the folder (`finish_interrupted`)."""
+        renames = [(tmp, final) for tmp, final in self._staged if final not in self._folders]
+        by_folder: dict[Path, list] = {}
+        for tmp, final in renames:
+            by_folder.setdefault(final.parent, []).append((tmp.name, final.name))
+        for path in self._removals:
+            by_folder.setdefault(path.parent, [])
+        journaled = [folder for folder, moves in by_folder.items()
+                     if len(moves) + sum(p.parent == folder for p in self._removals) > 1]
+        try:
+            for folder in journaled:
+                _write_intent(folder, by_folder[folder], [p.name for p in self._removals if p.parent == folder])
+        except OSError as exc:
+            raise output_error(folder, exc) from None
         try:
             for tmp, final in self._staged:
                 if final in self._folders:
@@ -122,11 +142,21 @@ class StagedFiles:
                     os.rename(tmp, final)
                 else:
                     os.replace(tmp, final)
-            for parent in {final.parent for _, final in self._staged}:
+            for path in self._removals:
+                path.unlink(missing_ok=True)
+            for parent in {final.parent for _, final in self._staged} | set(by_folder):
                 _fsync_dir(parent)
+            for folder in journaled:
+                (folder / INTENT_NAME).unlink()
+                _fsync_dir(folder)
         except OSError as exc:
+            if journaled:  # the temporaries belong to the intent record now: the next run finishes the job
+                self._staged.clear()
+                raise OutputError(f"cannot finish writing {journaled[0]}: {exc.strerror or exc}; the next "
+                                  "pulsediff run that opens it completes the update") from None
             raise output_error(self._staged[0][1], exc) from None
         self._staged.clear()
+        self._removals.clear()
 
     def discard(self) -> None:
         for tmp, final in self._staged:
@@ -139,6 +169,7 @@ class StagedFiles:
                 pass
         self._staged.clear()
         self._folders.clear()
+        self._removals.clear()
 
     def __enter__(self) -> "StagedFiles":
         return self
@@ -146,6 +177,80 @@ class StagedFiles:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.discard()
+
+
+INTENT_NAME = ".pulsediff-intent.json"
+MAX_INTENT_BYTES = 16 * 1024 * 1024
+
+
+def _write_intent(folder: Path, moves: list[tuple[str, str]], removals: list[str]) -> None:
+    """Durably record the renames and removals about to happen in `folder` (all files already fsynced)."""
+    import json
+
+    data = json.dumps({"version": 1, "rename": [list(m) for m in moves], "remove": removals}).encode()
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(folder / INTENT_NAME), suffix=TMP_SUFFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / INTENT_NAME)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+
+
+def finish_interrupted(folder: Path) -> bool:
+    """Complete an update of `folder` that a killed pulsediff left half done (see StagedFiles.commit).
+
+    Every file it names was written and verified before the record was, so
+    finishing is always right; it is idempotent, so a kill while finishing is
+    finished by the next run. Returns whether there was anything to finish.
+    Raises OutputError when the record is not ours or cannot be carried out.
+    """
+    from . import strict_json
+
+    intent = Path(folder) / INTENT_NAME
+    try:
+        with open(intent, "rb") as f:
+            raw = f.read(MAX_INTENT_BYTES + 1)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise OutputError(f"cannot read {intent}: {exc.strerror or exc}") from None
+    try:
+        record = strict_json.loads(raw, max_depth=4)
+        moves, removals = record["rename"], record["remove"]
+        ok = (len(raw) <= MAX_INTENT_BYTES and record.get("version") == 1 and isinstance(moves, list)
+              and isinstance(removals, list)
+              and all(isinstance(m, list) and len(m) == 2 and _is_temp_name(m[0]) and _is_plain(m[1]) for m in moves)
+              and all(_is_plain(n) for n in removals))
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise OutputError(f"{intent} is not a pulsediff intent record; remove it by hand if you know what it is")
+    try:
+        for tmp, final in moves:
+            if (Path(folder) / tmp).exists():
+                os.replace(Path(folder) / tmp, Path(folder) / final)
+        for name in removals:
+            (Path(folder) / name).unlink(missing_ok=True)
+        _fsync_dir(Path(folder))
+        intent.unlink()
+        _fsync_dir(Path(folder))
+    except OSError as exc:
+        raise OutputError(f"an update of {folder} was interrupted and cannot be finished: "
+                          f"{exc.strerror or exc}") from None
+    return True
+
+
+def _is_plain(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def _is_temp_name(name: object) -> bool:
+    return _is_plain(name) and name.startswith(".") and name.endswith(TMP_SUFFIX)
 
 
 def temp_prefix(final: Path) -> str:
@@ -159,6 +264,8 @@ def remove_stale_temporaries(folder: Path, *, force: bool = False) -> list[Path]
     key = os.path.abspath(folder)
     if key in _swept and not force:
         return []
+    if os.path.exists(os.path.join(folder, INTENT_NAME)):
+        return []  # its temporaries are an interrupted update's new files: finish_interrupted's to use
     _swept.add(key)
     removed = []
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import strict_json
+from .atomic import finish_interrupted
 from .dtypes import BF16, DType
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
 from .memory import populate_read
@@ -113,6 +114,9 @@ class Checkpoint:
     # -- opening ------------------------------------------------------------
 
     def _open_dir(self) -> None:
+        # An in-place update that a kill interrupted between two renames is finished first:
+        # until then the folder mixes old and new files.
+        finish_interrupted(self.path)
         index_path = self.path / INDEX_NAME
         if index_path.is_file():
             if index_path.stat().st_size > MAX_INDEX_BYTES:
