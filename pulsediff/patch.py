@@ -254,6 +254,8 @@ class _Parser:
                 raise self.fail(f"{where}: codec {section.codec!r} cannot patch")
             if codec.changed_count(section.params) not in (None, changed):
                 raise self.fail(f"{where}: the codec's count contradicts changed")
+            if not 0 <= codec.index_bytes(section.params) <= section.length:
+                raise self.fail(f"{where}: the codec's index size is invalid")
         return TensorRecord(name, dtype, tuple(shape), op, changed, target_hash, base_hash if op != "full" else None, section)
 
     def layout(self, obj, n_tensors: int) -> Layout:

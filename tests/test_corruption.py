@@ -132,12 +132,19 @@ def test_hostile_headers_are_refused(small_pair, tmp_path):
         return lambda h: h["tensors"][patched]["section"]["params"].update({key: value})
 
     refuse(set_param("count", 10**12), "count")
+    # wrong JSON types where a count belongs used to escape as TypeError from `pulsediff stats`
+    refuse(set_param("count", str(header["tensors"][patched]["changed"])), "count")
+    refuse(set_param("count", float(header["tensors"][patched]["changed"])), "count")
+    refuse(set_param("count", True), "count")
+    index_key = "gap_bytes" if header["tensors"][patched]["section"]["codec"] == "gap-zstd" else "table_bytes"
+    refuse(set_param(index_key, "12"), "index size")
+    refuse(set_param(index_key, [1]), "index size")
     if header["tensors"][patched]["section"]["codec"] == "gap-zstd":
         refuse(set_param("gap_width", 3), "gap_width")
-        refuse(set_param("gap_bytes", 10**9), "gap_bytes")
+        refuse(set_param("gap_bytes", 10**9), "index size")
     else:
         refuse(set_param("class_bits", 40), "class_bits")
-        refuse(set_param("table_bytes", 10**9), "table_bytes")
+        refuse(set_param("table_bytes", 10**9), "index size")
         refuse(set_param("escapes", 10**6), "escapes")
     refuse(lambda h: h["tensors"][patched]["section"].update(codec="lzma-9000"), "unknown codec")
     refuse(lambda h: h["tensors"][patched]["section"].update(offset=0), "contiguous")

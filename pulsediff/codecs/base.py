@@ -75,6 +75,17 @@ class Codec(ABC):
 
 # -- shared, checked helpers -------------------------------------------------
 
+
+def uint_param(params: dict, key: str, default: int | None = None) -> int:
+    """A params field as a non-negative int, or -1 when it is missing or not one (callers refuse -1).
+
+    Header-level methods (changed_count, index_bytes) run before any section
+    is decoded, on params nobody has checked yet: JSON may hold a string, a
+    float, true or a list where a count belongs.
+    """
+    value = params.get(key, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
+
 _CCTX = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=False)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..errors import CorruptPatchError
 from . import entropy
-from .base import Codec, Encoded, Scratch, SectionContext, parse_uint
+from .base import Codec, Encoded, Scratch, SectionContext, parse_uint, uint_param
 
 # (shift, bits) of the exponent field: the class of a base element.
 CLASS_FIELDS = {
@@ -252,10 +252,11 @@ class CtxRans(Codec):
         return ((zigzag >> np.uint64(1)) ^ (np.uint64(0) - (zigzag & np.uint64(1)))).view(np.int64)
 
     def changed_count(self, params):
-        return params.get("count")
+        return uint_param(params, "count")
 
     def index_bytes(self, params):
-        return params.get("table_bytes", 0) + params.get("position_bytes", 0)
+        table, positions = uint_param(params, "table_bytes"), uint_param(params, "position_bytes")
+        return -1 if min(table, positions) < 0 else table + positions
 
 
 def _split(payload: bytes, params: dict, ctx: SectionContext):

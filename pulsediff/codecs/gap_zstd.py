@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 
 from ..errors import CorruptPatchError
-from .base import Codec, Encoded, Scratch, SectionContext, parse_choice, parse_uint, zstd_compress, zstd_decompress_exact
+from .base import Codec, Encoded, Scratch, SectionContext, parse_choice, parse_uint, uint_param, zstd_compress, zstd_decompress_exact
 
 
 def gap_width(numel: int) -> int:
@@ -56,7 +56,7 @@ class GapZstd(Codec):
         return out
 
     def changed_count(self, params):
-        return params.get("count")
+        return uint_param(params, "count")
 
     def index_bytes(self, params):
-        return params.get("gap_bytes", 0)
+        return uint_param(params, "gap_bytes")
