@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,8 +152,14 @@ class Checkpoint:
                 self._add_shard(n, self.path / n)
 
     def _add_shard(self, name: str, path: Path) -> None:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: a FIFO given as a checkpoint must be refused, not waited on forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise InvalidCheckpointError(str(path), "not a regular file (a pipe, socket or device)")
+        with os.fdopen(fd, "rb") as f:
+            size = st.st_size
             prefix = f.read(9)
             if looks_like_pickle(prefix):
                 raise InvalidCheckpointError(str(path), PICKLE_ADVICE)

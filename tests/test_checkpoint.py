@@ -109,3 +109,17 @@ def test_full_disk_during_apply_leaves_nothing(tmp_path, monkeypatch):
         apply_patch(old, tmp_path / "p", in_place=True, device="cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert old.read_bytes() == save(base, tmp_path / "again.safetensors").read_bytes()
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A FIFO given as a checkpoint (or as a shard of a folder) used to block forever."""
+    import os
+
+    from pulsediff.checkpoint import Checkpoint
+    from pulsediff.errors import InvalidCheckpointError
+
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(InvalidCheckpointError, match="not a regular file"):
+        Checkpoint(tmp_path / "pipe.safetensors")
+    with pytest.raises(InvalidCheckpointError, match="no .safetensors files"):
+        Checkpoint(tmp_path)  # a folder lists regular files only
