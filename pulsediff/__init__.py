@@ -9,14 +9,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["make_patch", "apply_patch", "read_patch_header", "checkpoint_digest_of", "__version__"]
+__all__ = ["make_patch", "make_patch_bytes", "apply_patch", "read_patch_header", "checkpoint_digest_of",
+           "apply_to_state_dict", "state_dict_digest", "__version__"]
 
 
 def __getattr__(name: str):
-    if name == "make_patch":
-        from .make import make_patch
+    if name in ("make_patch", "make_patch_bytes"):
+        from . import make
 
-        return make_patch
+        return getattr(make, name)
+    if name in ("apply_to_state_dict", "state_dict_digest"):
+        from . import live
+
+        return getattr(live, name)
     if name in ("apply_patch", "read_patch_header"):
         from . import apply
 

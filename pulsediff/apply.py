@@ -232,14 +232,14 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
     (the sections are still read, to check the stream, but not decoded).
     """
     reader, header = link.reader, link.header
-    layout_blob = _read_layout(reader, header, sequential=True)
+    layout_blob = read_layout(reader, header, sequential=True)
     scratch = Scratch()
 
     def target_bits(rec: TensorRecord) -> np.ndarray:
         payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
         if copy_all:
-            return _rebuild(rec, None, view.get(rec.name).bits, backend, reader.source, scratch)
-        return _rebuild(rec, payload, view.get(rec.name).bits if rec.op != "full" else None, backend,
+            return rebuild_tensor(rec, None, view.get(rec.name).bits, backend, reader.source, scratch)
+        return rebuild_tensor(rec, payload, view.get(rec.name).bits if rec.op != "full" else None, backend,
                         reader.source, scratch)
 
     def before_commit() -> None:
@@ -259,7 +259,7 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
     for link in links:
         link.reader.check_size(link.header.sections_length)
     final = final_link.header
-    layout_blob = _read_layout(final_link.reader, final, sequential=False)
+    layout_blob = read_layout(final_link.reader, final, sequential=False)
     scratch = Scratch()
 
     def target_bits(rec: TensorRecord) -> np.ndarray:
@@ -287,14 +287,14 @@ def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scr
     else:
         link = links[start]
         rec = link.records[name]
-        bits = _rebuild(rec, link.reader.read_section(rec.section, f"tensor {name!r}"), None, backend,
+        bits = rebuild_tensor(rec, link.reader.read_section(rec.section, f"tensor {name!r}"), None, backend,
                         link.reader.source, scratch)
         first = start + 1
     for k in range(first, len(links)):
         link = links[k]
         rec = link.records[name]
         payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
-        bits = _rebuild(rec, payload, bits, backend, link.reader.source, scratch)
+        bits = rebuild_tensor(rec, payload, bits, backend, link.reader.source, scratch)
     return bits
 
 
@@ -335,7 +335,7 @@ def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: s
 # -- rebuilding -----------------------------------------------------------------
 
 
-def _rebuild(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
+def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
              scratch: Scratch) -> np.ndarray:
     """One target tensor's bits, checked against its recorded hash.
 
@@ -355,7 +355,7 @@ def _rebuild(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | N
     return bits
 
 
-def _read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> bytes:
+def read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> bytes:
     layout = header.layout
     data = (reader.read_next if sequential else reader.read_section)(layout.section, "layout")
     blob = zstd_decompress_exact(data, layout.blob_len, SectionContext("<layout>", layout.blob_len, 1, reader.source), "layout")

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from . import __version__
 from .atomic import StagedFiles
-from .checkpoint import Checkpoint, TensorData, TensorView, open_checkpoint
+from .checkpoint import Checkpoint, TensorData, TensorView
+from .live import open_source
 from .codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
 from .codecs.base import zstd_compress
 from .codecs.gap_zstd import gap_width
@@ -65,8 +66,8 @@ class TargetSource:
 
 
 def make_patch(
-    old: str | Path | None,
-    new: str | Path,
+    old: str | Path | Mapping | None,
+    new: str | Path | Mapping,
     out: str | Path | BinaryIO,
     *,
     precision: str = "exact",
@@ -79,18 +80,31 @@ def make_patch(
     """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
 
     `old` None makes an anchor: a patch from the empty checkpoint, every tensor
-    carried whole (compressed). `out` is a path (written atomically), "-" for
+    carried whole (compressed). `old` and `new` may also be mappings of name ->
+    torch tensor (a state dict, on CPU or CUDA), seen as the file
+    `safetensors.torch.save_file` would write (pulsediff.live). `out` is a path (written atomically), "-" for
     stdout, or a binary stream. Returns the patch header. A folder's other
     files travel with it (pulsediff/folder_files.py); weights in other formats
     and huge files are refused unless `skip_unsupported`, and what was left
     out is appended to `skipped`.
     """
     _check_choices(codec, precision)
-    with Checkpoint(new) as new_ckpt:
+    if new is None:
+        raise UsageError("NEW must be a checkpoint or a mapping of tensors")
+    with open_source(new) as new_ckpt:
         target = TargetSource.of_view(TensorView(new_ckpt, precision), skip_unsupported)
         if skipped is not None:
             skipped.extend(target.skipped)
         return write_patch(old, target, out, codec=codec, device=device, progress=progress)
+
+
+def make_patch_bytes(old, new, **options) -> bytes:
+    """`make_patch` into memory: the patch file's bytes (for a trainer that sends them itself)."""
+    import io
+
+    buffer = io.BytesIO()
+    make_patch(old, new, buffer, **options)
+    return buffer.getvalue()
 
 
 def _check_choices(codec: str, precision: str) -> None:
@@ -104,7 +118,7 @@ def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str
                 progress: Progress) -> PatchHeader:
     """Diff checkpoint `old` (None: empty) against `target` and write the patch to `out`."""
     backend = get_backend(device)
-    with open_checkpoint(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
+    with open_source(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
         header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress)
         spool.seek(0)
         header_frame = encode_header(header.to_json())

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from .apply import _carry_through, _FolderFiles, _read_layout, open_chain
+from .apply import _carry_through, _FolderFiles, read_layout, open_chain
 from .checkpoint import TensorData, TensorView, open_checkpoint
 from .codecs import DEFAULT_SPARSE_CODEC
 from .codecs.base import Scratch
@@ -62,7 +62,7 @@ def squash_patches(
             file_bytes = {name: data for name, data in file_bytes.items() if data is not None}
             target = TargetSource(
                 precision=final.precision, kind=final.layout.kind,
-                layout_blob=_read_layout(links[-1].reader, final, sequential=False),
+                layout_blob=read_layout(links[-1].reader, final, sequential=False),
                 layout_files=list(final.layout.files), index_len=final.layout.index_len,
                 entries=[(r.name, r.nbytes) for r in final.tensors], get=get,
                 file_names=list(file_bytes), read_file=file_bytes.__getitem__,

@@ -1,0 +1,274 @@
+"""Patches on live tensors: state dicts held in memory by a trainer or an inference worker.
+
+A trainer holds its new policy in memory and a worker holds the old one;
+neither should write a checkpoint file just to diff or patch it.
+
+- `make_patch` (pulsediff.make) accepts a mapping of name -> torch tensor for
+  OLD and NEW (or a mapping for one and a checkpoint file for the other):
+  `StateDict` presents the mapping as a checkpoint whose single file is
+  what `safetensors.torch.save_file(mapping)` would write. So a patch made
+  from live tensors applies to files, and one made from files applies to
+  live tensors, bit for bit.
+- `apply_to_state_dict` patches a mapping of live tensors in place, touching
+  only the elements that change.
+
+What is checked, and what it costs (docs/FORMAT.md §7.1): the live tensors'
+digest is computed before anything is written (every base tensor hashed, as
+for files), each tensor's rebuilt values are checked against the patch's
+target hash before any of them is written, and a failure part-way through
+restores the tensors already changed from an undo log of their old values at
+the changed positions. On CPU the tensors are read in place (zero-copy); a
+CUDA tensor is copied to the host to be hashed and decoded, and only the
+changed elements are written back to the device. A device-side digest, which
+would spare that copy, is not built yet.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from .checkpoint import Checkpoint, ShardFile, TensorView
+from .digest import TensorId, checkpoint_digest
+from .dtypes import DTYPES, DType
+from .errors import BaseMismatchError, CorruptPatchError, TensorMismatchError, UsageError
+from .safetensors_io import ParsedHeader, TensorEntry, build_header
+
+__all__ = ["StateDict", "apply_to_state_dict", "state_dict_digest", "LiveApplyResult"]
+
+_BY_TORCH_NAME = {d.torch_name: d for d in DTYPES.values() if d.torch_name}
+# safetensors writes tensors sorted by dtype, in the order of its Rust `Dtype` enum, last first, then
+# by name; following it makes a state dict's patch the very patch of the file save_file writes
+# (tests/test_live.py checks this against the installed safetensors).
+_SAFETENSORS_DTYPE_RANK = {name: rank for rank, name in enumerate(
+    ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+     "F64", "I64", "U64"])}
+
+
+def dtype_of(tensor) -> DType:
+    name = str(tensor.dtype).removeprefix("torch.")
+    dtype = _BY_TORCH_NAME.get(name)
+    if dtype is None:
+        raise UsageError(f"tensors of {tensor.dtype} cannot be patched (safetensors has no such dtype)")
+    return dtype
+
+
+def host_bytes(tensor) -> np.ndarray:
+    """The tensor's bytes as a uint8 array: a view of its memory for a contiguous CPU tensor, else a copy."""
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return np.empty(0, np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class StateDict(Checkpoint):
+    """A mapping of name -> torch tensor seen as a one-file checkpoint.
+
+    The file is the one `safetensors.torch.save_file(tensors, metadata=...)`
+    writes: tensors ordered by dtype (safetensors' own order, last first),
+    then by name.
+    """
+
+    def __init__(self, tensors: Mapping, metadata: dict[str, str] | None = None):  # noqa: super() would open a path
+        import torch
+
+        self.path = Path("<state dict>")
+        self.kind = "file"
+        self.index_bytes = None
+        self._tensors = {}
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not name:
+                raise UsageError(f"state dict keys must be non-empty strings, not {name!r}")
+            if not isinstance(t, torch.Tensor):
+                raise UsageError(f"{name!r} is a {type(t).__name__}, not a torch tensor")
+            self._tensors[name] = t
+        dtypes = {name: dtype_of(t) for name, t in self._tensors.items()}
+        order = sorted(self._tensors, key=lambda n: (-_SAFETENSORS_DTYPE_RANK[dtypes[n].name], n))
+        entries, offset = [], 0
+        for name in order:
+            t = self._tensors[name]
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorEntry(name, dtypes[name], tuple(t.shape), offset, offset + nbytes))
+            offset += nbytes
+        raw = build_header(metadata, [(e.name, e.dtype.name, e.shape, e.nbytes) for e in entries])
+        self.shards = [ShardFile("", self.path, ParsedHeader(raw, metadata, tuple(entries)), None)]
+        self._where = {e.name: (self.shards[0], e) for e in entries}
+
+    def raw_bytes(self, name: str) -> np.ndarray:
+        return host_bytes(self._tensors[name])
+
+    def close(self) -> None:
+        pass
+
+
+def open_source(source) -> Checkpoint:
+    """A checkpoint from a path, a mapping of live tensors, or None (the empty checkpoint)."""
+    from .checkpoint import open_checkpoint
+
+    return StateDict(source) if isinstance(source, Mapping) else open_checkpoint(source)
+
+
+def state_dict_digest(tensors: Mapping, precision: str = "exact") -> str:
+    """The digest a patch records for these tensors as base or target (same as for the saved file)."""
+    from .inspect import tensor_ids
+
+    return checkpoint_digest(tensor_ids(TensorView(StateDict(tensors), precision)).values())
+
+
+@dataclass(frozen=True)
+class LiveApplyResult:
+    status: str  # "applied" or "up-to-date"
+    changed_tensors: int  # tensors written to
+    changed_elements: int
+    target_digest: str
+
+
+def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
+                        device: str | None = None) -> LiveApplyResult:
+    """Apply one patch, or a chain of patches in order, to live tensors in place.
+
+    `tensors` maps names to torch tensors (CPU or CUDA), e.g. `model.state_dict()`
+    (whose tensors share memory with the model's parameters). The patches'
+    target must have the same tensor names, dtypes and shapes as `tensors`:
+    a live model cannot grow or lose a tensor. Each patch is a path, a
+    binary stream or bytes. On any error the tensors are as they were.
+    """
+    if not isinstance(patches, list):
+        patches = [patches]
+    if not patches:
+        raise UsageError("give at least one patch")
+    changed_tensors: set[str] = set()
+    changed_elements = 0
+    undo: list[tuple[str, np.ndarray, np.ndarray]] = []  # (name, positions, old bits) in write order
+    status = "up-to-date"
+    target = ""
+    try:
+        for patch in patches:
+            step = _apply_one(tensors, patch, device, undo)
+            target = step.target_digest
+            if step.status == "applied":
+                status = "applied"
+                changed_tensors |= step.names
+                changed_elements += step.elements
+    except BaseException:
+        _roll_back(tensors, undo)
+        raise
+    return LiveApplyResult(status, len(changed_tensors), changed_elements, target)
+
+
+@dataclass
+class _Step:
+    status: str
+    target_digest: str
+    names: set
+    elements: int
+
+
+def _apply_one(tensors: MutableMapping, patch, device, undo) -> _Step:
+    from .apply import open_patch, read_layout, rebuild_tensor
+    from .codecs.base import Scratch
+    from .inspect import tensor_ids
+    from .kernels import get_backend
+
+    if isinstance(patch, (bytes, bytearray, memoryview)):
+        patch = io.BytesIO(bytes(patch))
+    reader, header, owned = open_patch(patch)
+    try:
+        live = StateDict(tensors)
+        records = {r.name: r for r in header.tensors}
+        _check_structure(live, records)
+        for name, rec in records.items():  # written as stored: a bf16 patch needs BF16 live tensors
+            if live.entry(name).dtype is not rec.dtype:
+                raise TensorMismatchError(f"live tensor {name!r} is {live.entry(name).dtype.name}, "
+                                          f"the patch's target {rec.dtype.name}")
+        ids = tensor_ids(TensorView(live, header.precision))
+        digest = checkpoint_digest(ids.values())
+        if digest == header.target_digest:
+            return _Step("up-to-date", digest, set(), 0)
+        anchor = header.base_digest == checkpoint_digest([])  # every tensor carried whole: any live state takes it
+        if digest != header.base_digest and not anchor:
+            raise BaseMismatchError(header.base_digest, digest, "the live tensors are not the patch's base")
+        if checkpoint_digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in header.tensors) \
+                != header.target_digest:
+            raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
+        backend = get_backend("cpu" if device is None else device)
+        scratch = Scratch()
+        # Decode and check every tensor first, keeping only its changes; write nothing yet.
+        changes: list[tuple[str, np.ndarray, np.ndarray]] = []
+        read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
+        for rec in header.tensors:  # sections are read in order: works on streams
+            payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+            if payload is None:
+                continue
+            base = live.raw_bytes(rec.name).view(rec.dtype.bits_dtype)
+            new = rebuild_tensor(rec, payload, base if rec.op == "patch" else None, backend, reader.source, scratch)
+            positions = np.flatnonzero(new != base)
+            changes.append((rec.name, positions, new[positions].copy()))
+        for f in header.files:  # a model folder's config and tokenizer: checked, not used here
+            if f.section is not None:
+                reader.read_next(f.section, f"file {f.name!r}")
+        reader.expect_end(header.sections_length)
+        names, elements = set(), 0
+        for name, positions, values in changes:
+            if positions.size:
+                _write(tensors[name], positions, values, undo)
+                names.add(name)
+                elements += int(positions.size)
+        return _Step("applied", header.target_digest, names, elements)
+    finally:
+        if owned:
+            owned.close()
+
+
+def _check_structure(live: StateDict, records: dict) -> None:
+    have, want = set(live.names), set(records)
+    if have != want:
+        extra, missing = sorted(have - want), sorted(want - have)
+        what = f"the patch lacks {extra[0]!r}" if extra else f"the live tensors lack {missing[0]!r}"
+        raise TensorMismatchError(f"the patch's target has other tensors than the live ones ({what}); "
+                                  "live tensors can only be patched, not added or removed")
+    for name, rec in records.items():
+        if live.entry(name).shape != rec.shape:
+            raise TensorMismatchError(f"live tensor {name!r} has shape {list(live.entry(name).shape)}, "
+                                      f"the patch's target {list(rec.shape)}")
+
+
+def _bits_view(tensor):
+    """The tensor's elements as signed integers of the same width (torch has few unsigned types)."""
+    import torch
+
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.detach().reshape(-1).view(width)
+
+
+def _put(tensor, positions: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """tensor[positions] = values (unsigned bit patterns, moved to the tensor's device); returns the old bits."""
+    import torch
+
+    flat = _bits_view(tensor)
+    index = torch.from_numpy(positions.astype(np.int64)).to(flat.device)
+    old = flat[index].cpu().numpy().view(values.dtype).copy()
+    same_kind = values.view(np.uint8 if flat.dtype == torch.uint8 else values.dtype.str.replace("u", "i"))
+    flat[index] = torch.from_numpy(same_kind).to(flat.device)
+    return old
+
+
+def _write(tensor, positions: np.ndarray, values: np.ndarray, undo: list) -> None:
+    undo.append((tensor, positions, _put(tensor, positions, values)))
+
+
+def _roll_back(tensors: MutableMapping, undo: list) -> None:
+    for tensor, positions, old in reversed(undo):
+        _put(tensor, positions, old)
+    undo.clear()
+
