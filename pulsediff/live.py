@@ -272,3 +272,44 @@ def _roll_back(tensors: MutableMapping, undo: list) -> None:
         _put(tensor, positions, old)
     undo.clear()
 
+
+
+@dataclass(frozen=True)
+class LiveCatchUp:
+    status: str  # "applied" or "up-to-date"
+    step: int | None  # the step the manifest lists for the digest the tensors now have
+    links: int  # patch files applied
+    changed_elements: int
+
+
+def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: str | None = None) -> LiveCatchUp:
+    """`pulsediff catch-up` for live tensors: follow a published series folder (pulsediff publish)
+    to its newest step in place, by the cheapest chain of intact patches from the tensors' digest."""
+    from .errors import InvalidManifestError, PulsediffError
+    from .manifest import Manifest, cheapest_paths
+    from .series import MAX_SEARCHES, _check_file
+
+    folder = Path(folder)
+    manifest = Manifest.load(folder)
+    if manifest is None or manifest.newest is None:
+        raise PulsediffError(f"{folder} holds no published series (no manifest.json with entries)")
+    newest = manifest.newest
+    digest = state_dict_digest(tensors, manifest.precision)
+    if digest == newest.target:
+        return LiveCatchUp("up-to-date", manifest.step_of(digest), 0, 0)
+    drop: set[str] = set()
+    for _ in range(MAX_SEARCHES):
+        chain = cheapest_paths(manifest.entries, digest, drop)
+        if not chain.reaches(newest.target):
+            raise PulsediffError(f"no intact chain of patches in {folder} leads from the live tensors "
+                                 f"({digest}) to step {newest.step}")
+        links = chain.path_to(newest.target)
+        bad = next((e for e in links if _check_file(folder / e.file, e, manifest.precision, str(folder)) is not None),
+                   None)
+        if bad is None:
+            break
+        drop.add(bad.file)
+    else:
+        raise InvalidManifestError(str(folder), f"no intact chain after {MAX_SEARCHES} searches")
+    result = apply_to_state_dict(tensors, [folder / e.file for e in links], device=device)
+    return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links), result.changed_elements)
