@@ -184,7 +184,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             positions, values = backend.diff_compact(base.bits, tgt.bits)
             sparse_cost = positions.size * (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
             codec, op = (sparse, "patch") if sparse_cost < tgt.bits.nbytes else (full, "full")
-            enc = codec.encode(base.bits, tgt.bits, positions, values, dtype=tgt.dtype)
+            enc = codec.encode(base.bits, tgt.bits, positions, values, dtype=tgt.dtype, kernels=backend)
             record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, positions.size, tgt_hash,
                                   base_hash if op == "patch" else None,
                                   write_section(enc.parts, codec.id, enc.params))

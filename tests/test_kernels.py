@@ -458,3 +458,23 @@ def test_cuda_module_imports_without_gpu():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_every_backend_provides_the_whole_contract(backend):
+    """One contract (pulsediff.kernels.Backend) for every backend: codecs call nothing else."""
+    from pulsediff.kernels import KERNELS
+
+    assert set(KERNELS) >= {"diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks",
+                            "apply_ranked", "class_major_order"}
+    assert all(callable(getattr(backend, name, None)) for name in KERNELS)
+
+
+def test_no_codec_imports_a_backend():
+    import pathlib
+    import re
+
+    import pulsediff.codecs
+
+    for source in pathlib.Path(pulsediff.codecs.__file__).parent.glob("*.py"):
+        text = source.read_text()
+        assert not re.search(r"kernels import (cpu|cuda)|kernels\.(cpu|cuda)", text), source.name

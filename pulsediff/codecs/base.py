@@ -45,7 +45,9 @@ class Codec(ABC):
     base None for a tensor that has no base), for sparse codecs the changed
     positions and values found by the kernel, and the tensor's DType. `decode` receives the
     section bytes and params and returns the target bits; it must validate
-    every number it reads before using it, raising CorruptPatchError.
+    every number it reads before using it, raising CorruptPatchError. Both
+    get the kernel backend (`kernels.Backend`) to run their hot loops on;
+    a codec never imports a backend itself.
     """
 
     id: str
@@ -53,7 +55,7 @@ class Codec(ABC):
 
     @abstractmethod
     def encode(self, base: np.ndarray | None, target: np.ndarray, positions: np.ndarray | None,
-               values: np.ndarray | None, dtype=None) -> Encoded: ...
+               values: np.ndarray | None, dtype=None, kernels: ModuleType | None = None) -> Encoded: ...
 
     @abstractmethod
     def decode(self, base: np.ndarray | None, payload: bytes, params: dict, ctx: SectionContext,

@@ -132,16 +132,18 @@ class CtxRans(Codec):
     id = "ctx-rans"
     needs_base = True
 
-    def encode(self, base, target, positions, values, dtype=None) -> Encoded:
-        from ..kernels import cpu
+    def encode(self, base, target, positions, values, dtype=None, kernels=None) -> Encoded:
+        if kernels is None:
+            from ..kernels import get_backend
 
+            kernels = get_backend("cpu")
         shift, bits = class_field(dtype.name if dtype is not None else "")
         mask = (1 << bits) - 1
         width = base.dtype.itemsize * 8
         base_at = base[positions]
-        ranks, sizes = cpu.class_ranks(base, shift, mask, positions)
+        ranks, sizes = kernels.class_ranks(base, shift, mask, positions)
         classes = (base_at.astype(np.int64) >> shift) & mask
-        order = cpu.class_major_order(classes, mask + 1)
+        order = kernels.class_major_order(classes, mask + 1)
         classes, ranks = classes[order], ranks[order]
         zigzag = _zigzag_deltas(base_at[order], values[order], width)
 
@@ -193,8 +195,6 @@ class CtxRans(Codec):
         return Encoded(parts, params, index_bytes=len(table) + len(positions_bytes))
 
     def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
-        from ..kernels import cpu  # the base-context scan has no CUDA twin yet
-
         count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = _split(payload, params, ctx)
 
         # class table
@@ -227,7 +227,7 @@ class CtxRans(Codec):
                 raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
             if status != entropy.OK or used != len(pos_bytes):
                 raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
-            starts, sizes_all = cpu.chunk_class_starts(base, shift, mask)
+            starts, sizes_all = kernels.chunk_class_starts(base, shift, mask)
             last_ranks = ranks[np.cumsum(counts)[counts > 0] - 1]  # ranks ascend within a class
             if (last_ranks >= sizes_all[classes[counts > 0]]).any():
                 raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
@@ -241,7 +241,7 @@ class CtxRans(Codec):
         per_class[classes] = counts
         np.cumsum(per_class, out=offsets[1:])
         out = scratch.take(base.size, base.dtype)  # may be `base` itself: a chain decodes in place
-        if cpu.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) != count:
+        if kernels.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) != count:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
 

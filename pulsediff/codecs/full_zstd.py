@@ -17,7 +17,7 @@ class FullZstd(Codec):
     id = "full-zstd"
     needs_base = False
 
-    def encode(self, base, target, positions, values, dtype=None) -> Encoded:
+    def encode(self, base, target, positions, values, dtype=None, kernels=None) -> Encoded:
         return Encoded((zstd_compress(target),), {})
 
     def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:

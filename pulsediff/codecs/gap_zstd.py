@@ -25,7 +25,7 @@ class GapZstd(Codec):
     id = "gap-zstd"
     needs_base = True
 
-    def encode(self, base, target, positions, values, dtype=None) -> Encoded:
+    def encode(self, base, target, positions, values, dtype=None, kernels=None) -> Encoded:
         width = gap_width(target.size)
         gaps = np.empty(positions.size, np.dtype(f"<u{width}"))
         if positions.size:

@@ -1,10 +1,11 @@
 """Kernel backends and the one place that picks between them.
 
-A backend is a module with the same three functions (`diff_compact`,
-`scatter`, `gaps_to_positions`) taking and returning NumPy arrays:
-`kernels.cpu` (Numba parallel CPU) and `kernels.cuda` (Numba CUDA). Importing
-this package imports neither, so `pulsediff --help` and CPU-only machines
-never pay for, or fail on, CUDA.
+A backend is a module providing every function of the `Backend` contract
+below, taking and returning NumPy arrays: `kernels.cpu` (Numba parallel CPU)
+and `kernels.cuda` (Numba CUDA). Codecs call kernels only through the backend
+they are handed, never by importing one. Importing this package imports
+neither backend, so `pulsediff --help` and CPU-only machines never pay for,
+or fail on, CUDA.
 
 `--device` (or the PULSEDIFF_DEVICE environment variable) chooses:
   auto  CUDA when a real GPU is usable, else CPU
@@ -17,10 +18,46 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import DeviceUnavailableError, UsageError
 
+if TYPE_CHECKING:
+    import numpy as np
+
 DEVICES = ("auto", "cpu", "cuda")
+
+
+class Backend(Protocol):
+    """What every backend module provides (tests/test_kernels.py checks both against this list and
+    against the plain references in tests/reference.py, bit for bit)."""
+
+    def diff_compact(self, old: "np.ndarray", new: "np.ndarray") -> "tuple[np.ndarray, np.ndarray]":
+        """Ascending positions where the bit patterns differ, and the new values there."""
+
+    def scatter(self, out: "np.ndarray", positions: "np.ndarray", values: "np.ndarray") -> int:
+        """out[positions] = values; returns how many positions were out of range (then nothing is trusted)."""
+
+    def gaps_to_positions(self, gaps: "np.ndarray") -> "tuple[np.ndarray, int]":
+        """Positions from gaps (inclusive prefix sum - 1), and the count of invalid gaps."""
+
+    def chunk_class_starts(self, base: "np.ndarray", shift: int, mask: int) -> "tuple[np.ndarray, np.ndarray]":
+        """Per chunk and class, the elements of that class before the chunk; and the class sizes."""
+
+    def class_ranks(self, base: "np.ndarray", shift: int, mask: int,
+                    positions: "np.ndarray") -> "tuple[np.ndarray, np.ndarray]":
+        """Each position's rank within its base class; and the class sizes."""
+
+    def apply_ranked(self, base: "np.ndarray", shift: int, mask: int, starts: "np.ndarray",
+                     class_offsets: "np.ndarray", ranks: "np.ndarray", deltas: "np.ndarray",
+                     out: "np.ndarray") -> int:
+        """out = base with zigzag deltas added at the listed (class, rank) elements; returns how many applied."""
+
+    def class_major_order(self, classes: "np.ndarray", ncls: int) -> "np.ndarray":
+        """The stable permutation grouping indices by class."""
+
+
+KERNELS = tuple(name for name in vars(Backend) if not name.startswith("_"))
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -48,7 +85,7 @@ def _no_gpu_visible() -> bool:
     return not any(name.startswith("nvidia") or name == "dxg" for name in os.listdir("/dev"))
 
 
-def get_backend(device: str | None = None) -> ModuleType:
+def get_backend(device: str | None = None) -> "Backend | ModuleType":
     device = str(device or os.environ.get("PULSEDIFF_DEVICE") or "auto").strip().lower()
     if device not in DEVICES:
         raise UsageError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")

@@ -34,6 +34,12 @@ the kernels also run under the Numba CUDA simulator. Shared memory is the
 dynamic kind (sized at launch), so the block size is a launch parameter and
 one compiled kernel serves every block size.
 
+The base-context kernels of the ctx-rans codec (class histograms, class
+ranks, the ranked apply) have no device version yet: this backend provides
+them by running the CPU kernels on the host arrays (see the end of the
+module), so every codec sees one contract. Moving them to the device is
+issue 10's open part.
+
 Importing this module needs no GPU; kernels compile on first call.
 """
 
@@ -327,3 +333,10 @@ def gaps_to_positions(gaps: np.ndarray) -> tuple[np.ndarray, int]:
     d_positions = cuda.device_array(n, np.int64)
     _scan_tiles[grid, tpb, 0, shared](d_gaps, items, cuda.to_device(starts), d_positions)
     return d_positions.copy_to_host(), int(d_bads.copy_to_host().sum())
+
+
+# Not on the device yet (see the module docstring): the CPU kernels, on the same host arrays.
+from .cpu import apply_ranked, chunk_class_starts, class_major_order, class_ranks  # noqa: E402
+
+__all__ = ["diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks", "apply_ranked",
+           "class_major_order"]
