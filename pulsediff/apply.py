@@ -200,7 +200,7 @@ def apply_chain(
                 else:
                     receiver = None  # stdin cannot be read out of order: the patch's layout
             _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
-            files = _FolderFiles(links or [final_link], base_ckpt, final, in_place, sequential)
+            files = FolderFileSources(links or [final_link], base_ckpt, final, in_place, sequential)
             if dry_run:
                 return ApplyResult("applied", out_path, final, len(links), base_is_target, True, receiver is not None)
             backend = get_backend(device)
@@ -225,7 +225,7 @@ def _check_links(links: list[_Link]) -> None:
 
 
 def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress,
-                     files: "_FolderFiles", receiver: "_TargetFiles | None", copy_all: bool = False) -> None:
+                     files: "FolderFileSources", receiver: "_TargetFiles | None", copy_all: bool = False) -> None:
     """One patch, read front to back (works on stdin): each section is decoded as it arrives.
 
     `copy_all`: the base already is the target, so every tensor comes from it
@@ -250,7 +250,7 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
 
 
 def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
-                         progress: Progress, files: "_FolderFiles", receiver: "_TargetFiles | None") -> None:
+                         progress: Progress, files: "FolderFileSources", receiver: "_TargetFiles | None") -> None:
     """A chain: each target tensor is carried through every link in turn, in memory.
 
     `links` may be empty (the base already is the target): then only the
@@ -263,13 +263,13 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
     scratch = Scratch()
 
     def target_bits(rec: TensorRecord) -> np.ndarray:
-        return _carry_through(rec.name, links, view, backend, scratch)
+        return carry_through(rec.name, links, view, backend, scratch)
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
     _write_target(final, target, target_bits, files, out_path, progress, lambda: None)
 
 
-def _carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
+def carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
     """The tensor after the last link: from the last link that carries it whole, or from the base."""
     start = len(links) - 1
     while start >= 0:
@@ -366,7 +366,7 @@ def read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> b
     return blob
 
 
-class _FolderFiles:
+class FolderFileSources:
     """Where each of the target folder's other files comes from, checked before anything is written.
 
     A file is carried whole by the last link that changed it, else it is the
@@ -492,7 +492,7 @@ def _seekable(stream) -> bool:
         return False
 
 
-def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files: _FolderFiles, out_path: Path,
+def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files: FolderFileSources, out_path: Path,
                   progress: Progress, before_commit) -> None:
     """Write the target's files from staged temporaries; rename only once all is verified.
 

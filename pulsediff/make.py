@@ -88,7 +88,7 @@ def make_patch(
     and huge files are refused unless `skip_unsupported`, and what was left
     out is appended to `skipped`.
     """
-    _check_choices(codec, precision)
+    check_choices(codec, precision)
     if new is None:
         raise UsageError("NEW must be a checkpoint or a mapping of tensors")
     with open_source(new) as new_ckpt:
@@ -107,7 +107,7 @@ def make_patch_bytes(old, new, **options) -> bytes:
     return buffer.getvalue()
 
 
-def _check_choices(codec: str, precision: str) -> None:
+def check_choices(codec: str, precision: str) -> None:
     if codec not in SPARSE_CODECS:
         raise UsageError(f"unknown codec {codec!r}; choose one of {', '.join(SPARSE_CODECS)}")
     if precision not in ("exact", "bf16"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from .apply import _carry_through, _FolderFiles, read_layout, open_chain
+from .apply import FolderFileSources, carry_through, open_chain, read_layout
 from .checkpoint import TensorData, TensorView, open_checkpoint
 from .codecs import DEFAULT_SPARSE_CODEC
 from .codecs.base import Scratch
@@ -19,7 +19,7 @@ from .digest import checkpoint_digest
 from .errors import BaseMismatchError, UsageError
 from .inspect import tensor_ids
 from .kernels import get_backend
-from .make import TargetSource, _check_choices, write_patch
+from .make import TargetSource, check_choices, write_patch
 from .patch import PatchHeader
 from .progress import SILENT, Progress
 
@@ -40,7 +40,7 @@ def squash_patches(
         raise UsageError("squash reads patches from files, not stdin")
     with open_chain(patches) as links:
         final = links[-1].header
-        _check_choices(codec, final.precision)
+        check_choices(codec, final.precision)
         for link in links:
             link.reader.check_size(link.header.sections_length)
         backend = get_backend(device)
@@ -54,10 +54,10 @@ def squash_patches(
 
             def get(name: str) -> TensorData:
                 rec = records[name]
-                return TensorData(name, rec.dtype, rec.shape, _carry_through(name, links, view, backend, scratch))
+                return TensorData(name, rec.dtype, rec.shape, carry_through(name, links, view, backend, scratch))
 
             # The chain's end state of the folder's other files (small: read them now).
-            folder = _FolderFiles(links, base_ckpt, final, in_place=False, sequential=False)
+            folder = FolderFileSources(links, base_ckpt, final, in_place=False, sequential=False)
             file_bytes = {rec.name: folder.contents(rec, *folder.section(rec)) for rec in folder.final}
             file_bytes = {name: data for name, data in file_bytes.items() if data is not None}
             target = TargetSource(
