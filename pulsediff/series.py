@@ -171,6 +171,7 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
     if not train_dir.is_dir():
         raise CheckpointNotFoundError(str(train_dir), "training folder")
     dest = open_store(out_dir)
+    dest.writable()
     try:
         return _publish_once(train_dir, dest, anchor_every=anchor_every, keep=keep, skips=skips, precision=precision,
                              codec=codec, device=device, pattern=pattern, ready=ready, settle=settle, progress=progress)
@@ -297,6 +298,7 @@ def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = Fal
     if not interval > 0:
         raise UsageError("--interval must be a positive number of seconds")
     dest = open_store(out_dir)
+    dest.writable()
     try:
         return _publish_loop(train_dir, dest, watch, interval, idle_exit, on_report, kwargs)
     finally:

@@ -46,6 +46,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -58,7 +59,7 @@ from .manifest import MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifes
 from .progress import SILENT, Progress
 
 FETCH_THREADS = 8  # files downloaded at once: enough to fill a link, few enough for a small worker
-CHUNK = 1 << 20  # bytes per write to the cache file and per progress update
+CHUNK = 64 << 10  # bytes per write to the cache file: what a dropped connection can lose, at most
 IN_RUN_RESUMES = 2  # a connection that drops mid-file is resumed this often before catch-up gives up
 SINGLE_PUT_LIMIT = 256 << 20  # larger files go up in parts (conditional puts are single requests, held in memory)
 PART_SUFFIX = ".part"
@@ -108,6 +109,9 @@ class Store:
         raise NotImplementedError
 
     # -- publishing
+    def writable(self) -> None:
+        """Raise UsageError if this store cannot be published to."""
+
     def staging(self) -> Path:
         """A local folder to write files in before `commit`."""
         raise NotImplementedError
@@ -320,13 +324,13 @@ class ObjectStoreSource(Store):
 
     # -- publishing (S3 only)
 
-    def _writable(self) -> None:
+    def writable(self) -> None:
         if self.scheme != "s3":
             raise UsageError(f"{self.location}: an http(s) URL is read-only; publish to a folder or to s3:// "
                              f"and serve that over HTTP")
 
     def staging(self) -> Path:
-        self._writable()
+        self.writable()
         if self._staging is None:
             self._staging = Path(tempfile.mkdtemp(prefix="pulsediff-publish-"))
         return self._staging
@@ -342,7 +346,7 @@ class ObjectStoreSource(Store):
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
 
-        self._writable()
+        self.writable()
         for tmp, name in staged:
             where = self.where(name)
             try:
@@ -393,7 +397,7 @@ class ObjectStoreSource(Store):
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
 
-        self._writable()
+        self.writable()
         where = self.where(MANIFEST)
         data = (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
         etag = self._manifest[0] if self._manifest else None
@@ -419,7 +423,7 @@ class ObjectStoreSource(Store):
     def delete(self, names: list[str]) -> None:
         import obstore as obs
 
-        self._writable()
+        self.writable()
         for name in names:
             try:
                 obs.delete(self.store, name)
@@ -464,39 +468,31 @@ class ObjectStoreSource(Store):
 
     def _fetch_checked(self, e: Entry, check: Check, advance) -> str | None:
         final = self.path(e.file)
-        if final.is_file():  # checked when it arrived; checked again, since anything may have touched it since
-            advance(e.bytes, 0)
-            problem = self._check(final, e, check, fresh=False)
-            if problem is None:
-                advance(0, 1)
-                return None
-            final.unlink(missing_ok=True)
-            advance(-e.bytes, 0)
         part = self.cache / f".{e.file}{PART_SUFFIX}"
-        try:
-            fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise FetchError(f"cannot write {part}: {exc.strerror or exc}") from None
-        with os.fdopen(fd, "r+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # another catch-up on this cache waits here, then finds the file
-            if final.is_file():
+        with _locked(part) as f:  # another catch-up on this cache waits here, then finds the file done
+            if final.is_file():  # checked when it arrived; checked again: anything may have touched it since
+                advance(e.bytes, 0)
                 problem = self._check(final, e, check, fresh=False)
                 if problem is None:
-                    advance(e.bytes, 1)
+                    advance(0, 1)
+                    _drop_if_empty(part, f)
                     return None
-            for fresh_start in (False, True):
-                got = self._download(e, f, advance, restart=fresh_start)
-                if got.problem is not None:
-                    return got.problem
-                problem = self._check(part, e, check, fresh=got.fresh)
+                final.unlink(missing_ok=True)
+                advance(-e.bytes, 0)
+            for restart in (False, True):
+                got = self._download(e, f, advance, restart=restart)
+                problem = got.problem or self._check(part, e, check, fresh=got.fresh)
                 if problem is None:
                     os.replace(part, final)
                     advance(0, 1)
                     return None
+                if got.problem is not None:  # missing, incomplete (kept, to resume), or longer (already cut)
+                    break
                 _write(f, None, 0)
+                advance(-e.bytes, 0)
                 if got.fresh:
-                    return problem
-                advance(-e.bytes, 0)  # a resumed file that fails: fetch it whole, once
+                    break  # fetched whole just now and damaged: the object is
+            _drop_if_empty(part, f)
             return problem
 
     def _check(self, path: Path, e: Entry, check: Check, fresh: bool) -> str | None:
@@ -530,15 +526,16 @@ class ObjectStoreSource(Store):
                         result = obs.get(self.store, e.file, options={"range": {"offset": offset}})
                         if result.range[0] != offset:
                             result = None
-                    except Exception as exc:  # no usable range support (rclone serve s3 answers 200)
+                    except Exception as exc:  # no usable range support (rclone serve s3 answers 200), or no server
                         if not _is_network_error(exc) or _is_missing(exc):
                             raise
-                    if result is None:  # then the whole object, once more
+                    if result is None:  # then the whole object, once more; the part goes once it is coming
+                        result = obs.get(self.store, e.file)
                         _write(f, None, 0)
                         advance(-have, 0)
                         have = offset = 0
                         fresh = True
-                if result is None:
+                else:
                     result = obs.get(self.store, e.file)
                 for chunk in result.stream(CHUNK):
                     if len(chunk) > e.bytes - have:
@@ -565,6 +562,7 @@ class ObjectStoreSource(Store):
                 raise FetchError(f"cannot fetch {where}: {_reason(exc)}; {have} of {e.bytes} bytes are kept in "
                                  f"{self.cache} for the next catch-up to resume") from None
         try:
+            f.flush()  # buffered: the checks read the file by its name
             os.fsync(f.fileno())
         except OSError as exc:
             raise FetchError(f"cannot write {f.name}: {exc.strerror or exc}") from None
@@ -584,10 +582,38 @@ class ObjectStoreSource(Store):
                 (self.cache / name).unlink(missing_ok=True)
 
 
+@contextmanager
+def _locked(part: Path):
+    """The cache's `.part` file, opened and locked; the one at that name when the lock is ours (a catch-up
+    that held it may have renamed it to the finished file meanwhile)."""
+    while True:
+        try:
+            fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise FetchError(f"cannot write {part}: {exc.strerror or exc}") from None
+        f = os.fdopen(fd, "r+b")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = os.stat(part).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    with f:
+        yield f
+
+
+def _drop_if_empty(part: Path, f) -> None:
+    if os.fstat(f.fileno()).st_size == 0:
+        part.unlink(missing_ok=True)
+
+
 def _write(f, chunk, at: int) -> None:
     """Write `chunk` at offset `at` of the cache file (None: cut the file to `at` bytes); a full disk is one line."""
     try:
         if chunk is None:
+            f.flush()
             f.truncate(at)
         else:
             f.seek(at)
