@@ -69,6 +69,51 @@ class Output:
             return SILENT
         return _RichProgress(self.err)
 
+    def steps(self, description: str, total: int, every: int = 10) -> "StepProgress":
+        """Progress of a loop of `total` steps: a bar on a terminal, else a line every `every` steps; nothing with -q."""
+        return StepProgress(self, description, total, every)
+
+
+class StepProgress:
+    """`update(done, note)` after each step; use as a context manager so that the bar is taken down."""
+
+    def __init__(self, out: Output, description: str, total: int, every: int):
+        import time
+
+        self._out, self._total, self._every = out, total, max(1, every)
+        self._description = description
+        self._start = time.monotonic()
+        self._bar = None
+        if not out.quiet and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as Bar
+
+            self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                            TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=out.err, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(description, total=total, note="")
+
+    def update(self, done: int, note: str = "") -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, note=note)
+        elif done % self._every == 0 or done == self._total:
+            import time
+
+            self._out.info(f"{self._description}: step {done}/{self._total}{', ' + note if note else ''} "
+                           f"({time.monotonic() - self._start:.0f} s)")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> "StepProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class _RichProgress(Progress):
     def __init__(self, console):
