@@ -236,17 +236,23 @@ def _aws_profile() -> dict[str, str]:
     return {ours: found[theirs] for theirs, ours in keys.items() if found.get(theirs)}
 
 
-_ENV_FOR = {"access_key_id": ("AWS_ACCESS_KEY_ID",), "secret_access_key": ("AWS_SECRET_ACCESS_KEY",),
-            "session_token": ("AWS_SESSION_TOKEN",), "region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+_ENV_FOR = {"region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
             "endpoint": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")}
 
 
 def _s3_config() -> tuple[dict, bool]:
-    """(config for obstore beyond what it reads from the environment, whether the endpoint is plain http)."""
+    """(config for obstore beyond what it reads from the environment, whether the endpoint is plain http).
+
+    As the AWS tools do, keys in the environment win over the profile's, and
+    they come as a set: never one from each.
+    """
     profile = _aws_profile()
-    config = {k: v for k, v in profile.items() if not any(os.environ.get(env) for env in _ENV_FOR[k])}
-    if {"access_key_id", "secret_access_key"} & set(config) and any(os.environ.get(e) for e in ("AWS_ACCESS_KEY_ID",)):
-        config.pop("access_key_id", None), config.pop("secret_access_key", None), config.pop("session_token", None)
+    config = {}
+    if not os.environ.get("AWS_ACCESS_KEY_ID"):
+        config.update({k: profile[k] for k in ("access_key_id", "secret_access_key", "session_token") if k in profile})
+    for key in ("region", "endpoint"):
+        if key in profile and not any(os.environ.get(env) for env in _ENV_FOR[key]):
+            config[key] = profile[key]
     endpoint = next((os.environ[e] for e in _ENV_FOR["endpoint"] if os.environ.get(e)), config.get("endpoint", ""))
     return config, endpoint.lower().startswith("http://")
 
@@ -271,6 +277,7 @@ class ObjectStoreSource(Store):
         self.cache = Path(cache) if cache is not None else default_cache(url)
         self._staging: Path | None = None
         self._manifest: tuple[str, bytes] | None = None  # (etag, bytes) of the manifest last read or written
+        self._stop = threading.Event()
         client = {"connect_timeout": "10s", "read_timeout": "60s", "timeout": "24h"}  # a stall, not a slow link, fails
         retry = {"max_retries": 3, "retry_timeout": timedelta(seconds=30),
                  "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=5), "base": 2}}
@@ -459,9 +466,15 @@ class ObjectStoreSource(Store):
 
         total = sum(e.bytes for e in entries)
         progress.begin("fetching", total, len(entries), unit="files")
+        self._stop.clear()
         try:
             with ThreadPoolExecutor(min(FETCH_THREADS, len(entries))) as pool:
-                results = list(pool.map(lambda e: self._fetch_checked(e, check, advance), entries))
+                futures = [pool.submit(self._fetch_checked, e, check, advance) for e in entries]
+                try:
+                    results = [f.result() for f in futures]
+                except BaseException:  # Ctrl-C or a failed fetch: the other downloads stop at their next chunk
+                    self._stop.set()
+                    raise
         finally:
             progress.end()
         return {e.file: why for e, why in zip(entries, results) if why is not None}
@@ -538,6 +551,8 @@ class ObjectStoreSource(Store):
                 else:
                     result = obs.get(self.store, e.file)
                 for chunk in result.stream(CHUNK):
+                    if self._stop.is_set():
+                        raise FetchError(f"stopped fetching {where}")
                     if len(chunk) > e.bytes - have:
                         _write(f, None, 0)
                         advance(-have, 0)

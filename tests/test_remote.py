@@ -481,6 +481,21 @@ def test_manifest_bound_is_enforced_while_downloading(published, http, tmp_path,
     assert not (tmp_path / "w.safetensors").exists()
 
 
+def test_aws_profile_gives_keys_region_and_endpoint(train, published, s3, tmp_path, monkeypatch):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "credentials").write_text(f"[default]\naws_access_key_id = nobody\naws_secret_access_key = no\n\n"
+                                          f"[bench]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n")
+    (tmp_path / "config").write_text(f"[profile bench]\nregion = us-east-1\nendpoint_url = {s3.url}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "bench")
+    worker = tmp_path / "w.safetensors"
+    shutil.copy(ckpt(train, 4), worker)
+    result = catch_up(worker, "s3://bucket/series", cache=tmp_path / "cache")
+    assert result.status == "applied" and worker.read_bytes() == ckpt(train, STEPS).read_bytes()
+
+
 def test_unreachable_source_is_one_line(tmp_path):
     port = free_port()  # nothing listens there
     proc = run_cli("catch-up", str(tmp_path / "w.safetensors"), f"http://127.0.0.1:{port}/series", timeout=120)
