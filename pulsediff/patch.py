@@ -252,6 +252,8 @@ class _Parser:
             codec = get_codec(section.codec)
             if op == "patch" and not codec.needs_base:
                 raise self.fail(f"{where}: codec {section.codec!r} cannot patch")
+            if op == "full" and codec.needs_base:  # it would be decoded with no base to decode against
+                raise self.fail(f"{where}: codec {section.codec!r} cannot carry a whole tensor")
             if codec.changed_count(section.params) not in (None, changed):
                 raise self.fail(f"{where}: the codec's count contradicts changed")
             if not 0 <= codec.index_bytes(section.params) <= section.length:
