@@ -39,6 +39,11 @@ MAX_TENSORS = 1_000_000
 MAX_NAME_BYTES = 4096
 MAX_NDIM = 64
 MAX_SECTION_BYTES = 2**48  # 256 TiB: a sanity bound, far above any checkpoint
+# Arrays and objects in the header JSON: 4 per tensor entry (entry, shape, section, params) and 2 per
+# folder file (1.1), doubled for fields a later minor version may add. Counted before parsing: each
+# costs ~20x its two bytes once parsed, so a header frame of a few KB holding 240 MiB of `[],` took
+# 110 s and 6.6 GB to be refused.
+MAX_HEADER_CONTAINERS = 2 * (4 * MAX_TENSORS + 2 * 10_000 + 64)
 
 
 def section_checksum(data) -> str:
@@ -155,7 +160,7 @@ def _decode_header_frame(frame: bytes, source: str) -> dict:
         if not 0 < size <= MAX_HEADER_BYTES:
             raise CorruptPatchError(source, "header declares an invalid size")
         raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
-        header = strict_json.loads(raw)
+        header = strict_json.loads(raw, max_containers=MAX_HEADER_CONTAINERS)
     except zstandard.ZstdError:
         raise CorruptPatchError(source, "header does not decode") from None
     except strict_json.JsonError as exc:
