@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from . import strict_json
 from .dtypes import DType, lookup
+from .format import MAX_NAME_BYTES, MAX_NDIM
 
 # safetensors caps the header at 100 MB; a larger length field is refused
 # before anything is allocated.
@@ -91,6 +92,13 @@ def parse_header(raw: bytes, data_bytes_available: int) -> ParsedHeader:
     for name, info in obj.items():
         if not isinstance(info, dict):
             raise HeaderError(f"entry {name!r} is not an object")
+        # What a patch cannot carry (docs/FORMAT.md §9) is refused on reading, so that make refuses
+        # it first, with the message apply would give, rather than write a patch nothing applies.
+        if not name:
+            raise HeaderError(f"a tensor name is empty; patches carry names of 1 to {MAX_NAME_BYTES} UTF-8 bytes")
+        if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+            raise HeaderError(f"tensor name {name[:40]!r}... is longer than {MAX_NAME_BYTES} UTF-8 bytes, "
+                              "the most a patch carries")
         dtype_name = info.get("dtype")
         shape = info.get("shape")
         offsets = info.get("data_offsets")
@@ -99,6 +107,8 @@ def parse_header(raw: bytes, data_bytes_available: int) -> ParsedHeader:
             raise HeaderError(f"tensor {name!r} has unsupported dtype {dtype_name!r}")
         if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
             raise HeaderError(f"tensor {name!r} has an invalid shape")
+        if len(shape) > MAX_NDIM:
+            raise HeaderError(f"tensor {name!r} has {len(shape)} dimensions; a patch carries at most {MAX_NDIM}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
             raise HeaderError(f"tensor {name!r} has invalid data_offsets")
         begin, end = offsets

@@ -15,6 +15,8 @@ import re
 
 MAX_DEPTH = 32  # our formats nest 5 levels at most; safetensors headers 3
 
+# A \u escape of a UTF-16 surrogate: the only way JSON text can spell one (the bytes are UTF-8).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # What the scan must look at: quotes, backslashes (inside strings) and brackets.
 _SPECIAL = re.compile(rb'[\\"\[\]{}]')
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
@@ -82,10 +84,18 @@ def loads(data: bytes, *, max_depth: int = MAX_DEPTH, max_containers: int | None
     if _depth(brackets) > max_depth:
         raise JsonError(f"nested deeper than {max_depth} levels")
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except UnicodeDecodeError:
         raise JsonError("not UTF-8") from None
     except JsonError:
         raise
     except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise JsonError(str(exc).split("\n")[0][:200]) from None
+    # JSON may escape a lone surrogate ("\ud800"); Python keeps it in a str that no UTF-8 encoder (a
+    # digest, a file name) accepts. Pairs (an escaped emoji) decode to one character and pass.
+    if _SURROGATE_ESCAPE.search(data):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise JsonError("a string holds a lone surrogate, which is not Unicode text") from None
+    return obj
