@@ -204,8 +204,8 @@ def test_series_stats_and_plot(pipeline, tmp_path):
     assert s["step_density"][2]["changed"] == pair["changed"]
     densities = [d["density"] for d in s["k_step_density"]]
     assert 0 < densities[0] <= densities[1] <= densities[2] < 1  # further apart, more changed
-    assert set(s["layer_density"]) <= {"attention", "mlp", "embeddings", "norms", "other"}
-    assert {"attention", "mlp", "embeddings", "norms"} <= set(s["layer_density"])
+    assert set(s["layer_density"]) <= {"attention", "mlp", "embeddings", "norms", "lm_head", "other"}
+    assert {"attention", "mlp", "embeddings", "norms", "lm_head"} <= set(s["layer_density"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

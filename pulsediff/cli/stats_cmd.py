@@ -21,7 +21,7 @@ def stats(
     codec: Codec = DEFAULT_CODEC,
     top: Annotated[int, typer.Option("--top", metavar="N", help="Tensors to list, largest patch share first (0: all).")] = 20,
     device: Device = "auto",
-    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="For a series: draw density per step and the k-step curve into this PNG (needs matplotlib).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="For a series: draw density and patch size per step, the k-step curve and the layer types into this PNG, replaced if it exists (needs matplotlib).")] = None,
     step_pattern: Annotated[Optional[str], typer.Option("--step-pattern", metavar="REGEX", help="For a series: a regex whose first group is the step number in a checkpoint's name [default: as publish reads names].")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
@@ -34,7 +34,7 @@ def stats(
         if _is_checkpoint_folder(first):
             raise UsageError(f"{first} is a checkpoint (a folder of shards), not a patch or a series folder; "
                              "give OLD NEW to compare two checkpoints")
-        return _series(first, precision, device, plot, step_pattern, out)
+        return _series(first, precision, codec, device, plot, step_pattern, out)
     if plot is not None:
         raise UsageError("--plot is for a folder of checkpoints (a series)")
     if step_pattern is not None:
@@ -114,30 +114,40 @@ def _refuse_checkpoint_as_patch(path: Path) -> None:
         raise UsageError(f"{path} is not a patch: {PICKLE_ADVICE}")
 
 
-def _series(folder: Path, precision: str, device: str, plot: Optional[Path], step_pattern: Optional[str],
+def _series(folder: Path, precision: str, codec: str, device: str, plot: Optional[Path], step_pattern: Optional[str],
             out: Output) -> None:
     from ..series import DEFAULT_STEP_PATTERN
     from ..series_stats import series_stats
 
     if step_pattern is not None:
         _check_pattern(step_pattern)
-    s = series_stats(folder, precision=precision, device=device, pattern=step_pattern or DEFAULT_STEP_PATTERN)
-    as_json = out.as_json
+    if plot is not None:  # before the work: matplotlib is there and the PNG's folder exists (a plot is replaced)
+        from ..series_stats import pyplot
+        from .checks import check_output
+
+        pyplot()
+        check_output(plot, force=True)
+    s = series_stats(folder, precision=precision, codec=codec, device=device,
+                     pattern=step_pattern or DEFAULT_STEP_PATTERN, progress=out.progress())
     if plot is not None:
         from ..series_stats import plot_series
 
         plot_series(s, plot)
         out.info(f"wrote {plot}")
-    if as_json:
+    if out.as_json:
         out.json(s.to_json())
         return
-    out.table(f"density per step ({len(s.steps)} checkpoints, {precision})", ["step", "changed", "of", "density"],
-              [(f"{d['from']} -> {d['to']}", f"{d['changed']:,}", f"{d['total']:,}", f"{100 * d['density']:.4f}%")
-               for d in s.step_density], right=(1, 2, 3))
-    out.table("k-step density (t against t+k)", ["k", "pairs", "density"],
+    out.table(f"per step ({len(s.steps)} checkpoints, {precision}, {codec})",
+              ["step", "changed", "of", "density", "patch", "dense", "ratio", "bits/changed"],
+              [(f"{d['from']} -> {d['to']}", f"{d['changed']:,}", f"{d['total']:,}", f"{100 * d['density']:.4f}%",
+                human_bytes(d["patch_bytes"]), human_bytes(d["dense_bytes"]), f"{d['ratio']:.1f}x",
+                f"{d['bits_per_changed']:.2f}" if d["bits_per_changed"] else "-") for d in s.step_density],
+              right=range(1, 8))
+    out.table("k steps apart", ["k (t vs t+k)", "pairs", "density"],
               [(d["k"], d["pairs"], f"{100 * d['density']:.4f}%") for d in s.k_step_density], right=(0, 1, 2))
-    out.table("density by layer type", ["layer type", "density"],
-              [(k, f"{100 * v:.4f}%") for k, v in s.layer_density.items()], right=(1,))
+    out.table("by layer type (all steps)", ["layer type", "elements", "density", "patch bytes", "share"],
+              [(k, f"{v['elements']:,}", f"{100 * v['density']:.4f}%", human_bytes(v["patch_bytes"]),
+                f"{100 * v['patch_share']:.1f}%") for k, v in s.layer_types.items()], right=(1, 2, 3, 4))
 
 
 def _check_pattern(pattern: str) -> None:
