@@ -363,6 +363,13 @@ def read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> b
     # so with this check (and the tensor hashes) exact mode rebuilds the files byte for byte.
     if layout.digest is not None and file_hash(blob) != layout.digest:
         raise CorruptPatchError(reader.source, "the layout does not match its recorded digest")
+    # Each file's header must describe its tensors, for every reader of the layout (squash wrote
+    # patches from layouts that apply then refused).
+    pos = first = 0
+    for lf in layout.files:
+        _check_file_header(blob[pos : pos + lf.header_len], header.tensors[first : first + lf.tensors], lf.name,
+                           reader.source)
+        pos, first = pos + lf.header_len, first + lf.tensors
     return blob
 
 
