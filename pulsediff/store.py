@@ -42,7 +42,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import quote, urlsplit
 
-from .atomic import remove_stale_temporaries
+from .atomic import output_error, remove_stale_temporaries
 from .errors import InvalidManifestError, PulsediffError, UsageError
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifest, parse_manifest
 from .progress import SILENT, Progress
@@ -337,9 +336,17 @@ class ObjectStoreSource(Store):
                              f"and serve that over HTTP")
 
     def staging(self) -> Path:
+        """One shared folder in the temp dir: staged names carry host and pid (atomic.temp_prefix), so the
+        first publish after a killed one removes what the killed one left."""
         self.writable()
         if self._staging is None:
-            self._staging = Path(tempfile.mkdtemp(prefix="pulsediff-publish-"))
+            folder = Path(tempfile.gettempdir()) / "pulsediff-publish"
+            try:
+                folder.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise output_error(folder, exc) from None
+            remove_stale_temporaries(folder)
+            self._staging = folder
         return self._staging
 
     def commit(self, staged: list[tuple[Path, str]]) -> None:
@@ -359,6 +366,7 @@ class ObjectStoreSource(Store):
             try:
                 if self._head(name) is not None:
                     self._same_or_conflict(name, tmp)
+                    tmp.unlink(missing_ok=True)
                     continue
                 size = tmp.stat().st_size
                 try:
@@ -440,9 +448,7 @@ class ObjectStoreSource(Store):
                 raise self._failure(f"cannot delete {self.where(name)}", exc) from None
 
     def close(self) -> None:
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+        self._staging = None  # publish removed its staged files; the shared folder stays
 
     # -- catching up
 

@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from ckpt_factory import save_series
 
 if not os.environ.get("CI"):  # CI installs the test extra: there a missing obstore is a failure
     pytest.importorskip("obstore")
+from pulsediff.atomic import _HOST, TMP_SUFFIX  # noqa: E402
 from pulsediff.errors import InvalidManifestError, PulsediffError  # noqa: E402
 from pulsediff.manifest import MANIFEST, Manifest  # noqa: E402
 from pulsediff.series import catch_up, plan_catch_up, publish_once  # noqa: E402
@@ -515,7 +517,12 @@ def test_publish_rerun_after_a_kill_reuses_identical_objects(train, published, s
     again, finds them there, and publishes."""
     prefix = copy_series(published, "rerun")
     (published.parent / prefix / MANIFEST).unlink()
+    staging = Path(tempfile.gettempdir()) / "pulsediff-publish"
+    staging.mkdir(exist_ok=True)
+    left = staging / f".anchor-00000000.pulsediff.{_HOST}-999999999.staged{TMP_SUFFIX}"  # a SIGKILLed publish's
+    left.write_bytes(b"half an anchor")
     report = publish_once(train, f"s3://bucket/{prefix}", anchor_every=3, settle=0)
+    assert not left.exists() and not any(p.name.endswith(TMP_SUFFIX) for p in staging.iterdir())
     assert report.patches + report.anchors == len(Manifest.load(published).entries)
     assert Manifest.load(published.parent / prefix).to_json() == Manifest.load(published).to_json()
 
