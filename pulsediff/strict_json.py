@@ -91,6 +91,8 @@ def loads(data: bytes, *, max_depth: int = MAX_DEPTH, max_containers: int | None
         raise
     except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise JsonError(str(exc).split("\n")[0][:200]) from None
+    except MemoryError:  # within the size bound, small values can still cost ~5x their bytes once parsed
+        raise JsonError("too large to parse in the memory this process may use") from None
     # JSON may escape a lone surrogate ("\ud800"); Python keeps it in a str that no UTF-8 encoder (a
     # digest, a file name) accepts. Pairs (an escaped emoji) decode to one character and pass.
     if _SURROGATE_ESCAPE.search(data):
