@@ -1,0 +1,416 @@
+"""The long fuzz campaign: hostile patches, checkpoints and manifests in worker processes, and kill trials.
+
+    python scripts/fuzz_campaign.py --cases 100000 --workers 1 --json fuzz.json
+
+Cases are those of tests/fuzz_cases.py (the CI suite, tests/test_fuzz.py,
+runs a few hundred of them): every codec's sections, the patch header, the
+layout and folder files, hostile safetensors given to make and to apply, and
+hostile manifests given to catch-up, in equal numbers. Case `i` of kind `k`
+is seeded by (k, i), so any finding reproduces with
+
+    python scripts/fuzz_campaign.py --replay KIND SEED
+
+Each worker process sets RLIMIT_AS (`--mem-gib`, 2 GiB by default) after its
+imports, and each case has a wall-clock limit (`--timeout`). Counted:
+refused (a PulsediffError and nothing written), accepted (the output checked
+byte for byte against what the input says), and the findings: other
+exceptions (type and one example each), wrong outputs accepted, asymmetric
+acceptance (make accepted a checkpoint that apply then refused, or apply
+refused a checkpoint make did not refuse first with the same message),
+over-memory (MemoryError, or the worker killed), crashes (the worker died)
+and hangs (the case ran past its limit; the worker is killed and replaced).
+
+Kill trials (`--kill-trials N`, 50 by default): `pulsediff apply` killed with
+SIGKILL at a random moment, into a file, into a new folder (-o DIR) and in
+place on a sharded folder. After each: the base is unchanged; the output is
+absent or complete and correct; an in-place folder, once pulsediff has opened
+it again, is the old checkpoint or the new one, never a mix; and the next
+apply succeeds and leaves no temporary file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from multiprocessing.connection import wait
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS))
+
+
+# -- workers ------------------------------------------------------------------------
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker_main(conn, corpus_root: str, work: str, mem_bytes: int, numba_threads: int) -> None:
+    # Tensors here are tiny: one kernel thread per worker is 3x faster on a loaded 2-core machine,
+    # and the code paths are the same (the inputs are below one chunk of the parallel kernels).
+    os.environ["NUMBA_NUM_THREADS"] = str(numba_threads)
+    import resource
+
+    import torch  # noqa: F401  (bf16 cases import it; loaded before the memory limit, like every import)
+
+    import fuzz_cases as fc
+
+    corpus = fc.Corpus.load(Path(corpus_root))
+    for kind in fc.KINDS:  # load the compiled kernels and every module a case touches
+        fc.run_case(kind, -1, corpus, Path(work))
+    resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    conn.send(("ready", _vm_size()))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the campaign is gone
+            return
+        if msg is None:
+            return
+        kind, seed = msg
+        conn.send(("done", fc.run_case(kind, seed, corpus, Path(work)).to_json()))
+
+
+class Worker:
+    def __init__(self, ctx, n: int, corpus_root: Path, work_root: Path, mem_bytes: int, numba_threads: int):
+        self.work = work_root / f"w{n}"
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child, str(corpus_root), str(self.work), mem_bytes,
+                                                              numba_threads),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.case = None
+        self.started = 0.0
+        self.ready = False
+        self.spawned = time.monotonic()
+
+    def give(self, case) -> None:
+        self.case = case
+        self.started = time.monotonic()
+        self.conn.send(case)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.join(5)
+
+
+def cases_of(kinds: list[str], total: int, offset: int):
+    per = -(-total // len(kinds))
+    for i in range(per):
+        for kind in kinds:
+            yield kind, offset + i
+
+
+def run_cases(args, corpus_root: Path, work_root: Path) -> dict:
+    import fuzz_cases as fc
+
+    kinds = args.kinds or list(fc.KINDS)
+    todo = cases_of(kinds, args.cases, args.seed_offset)
+    ctx = mp.get_context("spawn")
+    mem = int(args.mem_gib * (1 << 30))
+    workers = [Worker(ctx, n, corpus_root, work_root, mem, args.numba_threads) for n in range(args.workers)]
+    by_kind: dict[str, Counter] = defaultdict(Counter)
+    facts: dict[str, Counter] = defaultdict(Counter)
+    examples: dict[str, dict] = {}  # one example per kind of finding
+    vm_sizes = []
+    done = 0
+    exhausted = False
+    t0 = last_report = time.monotonic()
+
+    def record(kind, seed, verdict, detail="", error="", runs=None, case_facts=None):
+        nonlocal done
+        done += 1
+        by_kind[kind][verdict] += 1
+        for k, v in (runs or {}).items():
+            facts[kind]["run " + k] += v
+        for k, v in (case_facts or {}).items():
+            facts[kind][k] += v
+        if verdict in ("exception", "wrong", "asymmetric", "memory", "crash", "hang"):
+            key = f"{verdict}: {error or detail.split(' at ')[0][:60]} @ {detail.rsplit(' at ', 1)[-1] if ' at ' in detail else kind}"
+            examples.setdefault(key, {"kind": kind, "seed": seed, "detail": detail, "count": 0})["count"] += 1
+
+    while True:
+        for i, w in enumerate(workers):
+            if not w.proc.is_alive() and w.case is None and not w.ready:
+                if time.monotonic() - w.spawned > 300:
+                    raise SystemExit(f"worker {i} did not start (exit {w.proc.exitcode})")
+            if w.ready and w.case is None and not exhausted:
+                nxt = next(todo, None)
+                if nxt is None:
+                    exhausted = True
+                else:
+                    w.give(nxt)
+        if exhausted and all(w.case is None for w in workers):
+            break
+        for conn in wait([w.conn for w in workers], timeout=1.0):
+            w = next(w for w in workers if w.conn is conn)
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                continue  # it died: handled below
+            if msg[0] == "ready":
+                w.ready = True
+                vm_sizes.append(msg[1])
+            else:
+                o = msg[1]
+                record(o["kind"], o["seed"], o["verdict"], o["detail"], o["error"], o["runs"], o.get("facts"))
+                w.case = None
+        now = time.monotonic()
+        for i, w in enumerate(workers):
+            died = not w.proc.is_alive()
+            hung = w.case is not None and now - w.started > args.timeout
+            if not (died or hung):
+                continue
+            if w.case is not None:
+                kind, seed = w.case
+                if hung:
+                    record(kind, seed, "hang", f"ran past {args.timeout} s")
+                    w.kill()
+                else:
+                    code = w.proc.exitcode
+                    verdict = "memory" if code == -signal.SIGKILL else "crash"
+                    record(kind, seed, verdict, f"worker died (exit {code})")
+            elif w.ready:
+                print(f"worker {i} died between cases (exit {w.proc.exitcode})", flush=True)
+            elif not died:
+                continue
+            w.kill()
+            workers[i] = Worker(ctx, i, corpus_root, work_root, mem, args.numba_threads)
+        if now - last_report > 60:
+            last_report = now
+            totals = Counter()
+            for c in by_kind.values():
+                totals.update(c)
+            print(f"[{now - t0:7.0f} s] {done} cases: {dict(totals)}", flush=True)
+    for w in workers:
+        w.conn.send(None)
+        w.proc.join(10)
+        w.kill()
+    return {"wall_s": time.monotonic() - t0, "cases": done, "by_kind": {k: dict(v) for k, v in by_kind.items()},
+            "facts": {k: dict(v) for k, v in facts.items()}, "examples": examples,
+            "worker_vm_bytes_at_limit": max(vm_sizes, default=0)}
+
+
+# -- kill trials ---------------------------------------------------------------------
+
+CHILD = """
+import sys
+import pulsediff.apply, pulsediff.kernels.cpu, pulsediff.codecs.ctx_rans, pulsediff.codecs.entropy  # imports first
+from pulsediff import apply_patch
+mode, base, patch, out = sys.argv[1:5]
+print("go", flush=True)
+if mode == "in-place":
+    apply_patch(base, patch, in_place=True, device="cpu")
+else:
+    apply_patch(base, patch, out, device="cpu")
+"""
+
+
+def build_kill_corpus(root: Path) -> dict:
+    import numpy as np
+
+    from ckpt_factory import mutate, random_tensor, save, save_sharded
+    from pulsediff import make_patch
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(99)
+    base = {f"layers.{i}.weight": random_tensor(rng, "BF16", (1024, 1024)) for i in range(24)}  # 48 MiB
+    target = {k: mutate(rng, v, 0.01) for k, v in base.items()}
+    save(base, root / "old.safetensors")
+    save(target, root / "new.safetensors")
+    make_patch(root / "old.safetensors", root / "new.safetensors", root / "file.pulsediff", device="cpu")
+    save_sharded(base, root / "old", 4)
+    save_sharded(target, root / "new", 3)  # resharded: one old shard goes away
+    (root / "old/config.json").write_text('{"step": 0}')
+    (root / "new/config.json").write_text('{"step": 1}')
+    make_patch(root / "old", root / "new", root / "dir.pulsediff", device="cpu")
+    return {"file": (root / "old.safetensors", root / "new.safetensors", root / "file.pulsediff"),
+            "dir": (root / "old", root / "new", root / "dir.pulsediff")}
+
+
+def _tree(path: Path):
+    from ckpt_factory import folder_bytes
+
+    if path.is_dir():
+        return {k: v for k, v in folder_bytes(path).items() if not k.startswith(".")}
+    return path.read_bytes() if path.exists() else None
+
+
+def _child(mode: str, base: Path, patch: Path, out: Path | None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, mode, str(base), str(patch), str(out or "-")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _run_child(mode, base, patch, out, kill_after: float | None) -> tuple[float, bool]:
+    """(seconds from 'go' to exit or kill, whether it was killed before it finished)."""
+    p = _child(mode, base, patch, out)
+    line = p.stdout.readline()
+    if line.strip() != b"go":
+        raise SystemExit(f"kill-trial child did not start: {p.stderr.read().decode()[-500:]}")
+    go = time.monotonic()
+    killed = False
+    if kill_after is not None:
+        try:
+            p.wait(kill_after)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGKILL)
+            killed = True
+    rc = p.wait()
+    if not killed and rc != 0:
+        raise SystemExit(f"kill-trial child failed (exit {rc}): {p.stderr.read().decode()[-500:]}")
+    return time.monotonic() - go, killed
+
+
+def kill_trials(n: int, root: Path, seed: int = 0) -> dict:
+    from pulsediff import apply_patch
+    from pulsediff.inspect import checkpoint_digest_of
+
+    data = build_kill_corpus(root / "corpus")
+    rng = random.Random(seed)
+    results = {}
+    for mode in ("file", "dir", "in-place"):
+        old, new, patch = data["file" if mode == "file" else "dir"]
+        old_tree, new_tree = _tree(old), _tree(new)
+        durations = []
+        for _ in range(3):  # how long an apply takes once the child is ready: the window to kill in
+            trial = root / "time"
+            shutil.rmtree(trial, ignore_errors=True)
+            trial.mkdir()
+            if mode == "in-place":
+                shutil.copytree(old, trial / "base")
+                durations.append(_run_child("in-place", trial / "base", patch, None, None)[0])
+            else:
+                durations.append(_run_child("out", old, patch, trial / "out", None)[0])
+        window = statistics.median(durations)
+        counts = Counter()
+        problems = []
+        for t in range(n):
+            trial = root / f"{mode}-{t}"
+            shutil.rmtree(trial, ignore_errors=True)
+            trial.mkdir()
+            at = rng.uniform(0, 1.1 * window)
+            if mode == "in-place":
+                target = trial / "base"
+                shutil.copytree(old, target)
+                _, killed = _run_child("in-place", target, patch, None, at)
+            else:
+                target = trial / "out"
+                _, killed = _run_child("out", old, patch, target, at)
+            counts["killed" if killed else "finished before the kill"] += 1
+            problem = None
+            if _tree(old) != old_tree:
+                problem = "the base changed"
+            elif mode == "in-place":
+                checkpoint_digest_of(target)  # the next run that opens the folder finishes an interrupted update
+                now = _tree(target)
+                state = "old" if now == old_tree else "new" if now == new_tree else None
+                counts[f"folder is {state or 'a MIX'} after reopening"] += 1
+                if state is None:
+                    problem = f"folder mixes old and new: {sorted(now)}"
+                else:
+                    apply_patch(target, patch, in_place=True, device="cpu")
+                    if _tree(target) != new_tree:
+                        problem = "applying again did not give the new folder"
+                    elif any(p.name.startswith(".") for p in target.iterdir()):
+                        problem = f"temporaries left after the next apply: {[p.name for p in target.iterdir()]}"
+            else:
+                got = _tree(target)
+                counts["output absent" if got is None else "output complete" if got == new_tree else "output WRONG"] += 1
+                if got is not None and got != new_tree:
+                    problem = "a partial or wrong output under the real name"
+                else:
+                    again = trial / "again"  # the next apply into the folder removes the dead run's temporaries
+                    apply_patch(old, patch, again, device="cpu")
+                    left = [p.name for p in trial.iterdir() if p.name.startswith(".")]
+                    if _tree(again) != new_tree:
+                        problem = "the next apply did not give the target"
+                    elif left:
+                        problem = f"temporaries left after the next apply: {left}"
+            if problem:
+                problems.append(f"trial {t} (kill at {at:.3f} s): {problem}")
+            shutil.rmtree(trial, ignore_errors=True)
+        results[mode] = {"trials": n, "apply_s_median": round(window, 3), "counts": dict(counts), "problems": problems}
+        print(f"kill trials, {mode}: {dict(counts)}; problems: {len(problems)}", flush=True)
+    return results
+
+
+# -- main ----------------------------------------------------------------------------
+
+
+def machine() -> str:
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} vCPU {model}, Python {platform.python_version()}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=100_000)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds one case may take")
+    ap.add_argument("--mem-gib", type=float, default=2.0, help="RLIMIT_AS of each worker")
+    ap.add_argument("--numba-threads", type=int, default=1, help="NUMBA_NUM_THREADS of each worker")
+    ap.add_argument("--kill-trials", type=int, default=50, help="per kind of apply; 0 to skip")
+    ap.add_argument("--kinds", nargs="*", help="only these case kinds")
+    ap.add_argument("--seed-offset", type=int, default=0)
+    ap.add_argument("--root", type=Path, help="where the corpus and the workers' folders go (default: a temp dir)")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--replay", nargs=2, metavar=("KIND", "SEED"), help="run one case here, with its traceback")
+    args = ap.parse_args()
+
+    root = args.root or Path(tempfile.mkdtemp(prefix="pulsediff-fuzz-"))
+    import fuzz_cases as fc
+
+    t = time.monotonic()
+    corpus = fc.build_corpus(root / "corpus", big_bombs=True)
+    print(f"corpus in {time.monotonic() - t:.1f} s at {root}", flush=True)
+    if args.replay:
+        fc.TRACEBACKS = True
+        print(fc.run_case(args.replay[0], int(args.replay[1]), corpus, root / "replay"))
+        return
+    fingerprint = fc.snapshot(corpus.root)
+    report = {"machine": machine(), "workers": args.workers, "timeout_s": args.timeout, "mem_gib": args.mem_gib,
+              "numba_threads": args.numba_threads}
+    if args.cases:
+        report.update(run_cases(args, corpus.root, root / "work"))
+        report["corpus_unchanged"] = fc.snapshot(corpus.root) == fingerprint
+    if args.kill_trials:
+        t = time.monotonic()
+        report["kill_trials"] = kill_trials(args.kill_trials, root / "kill")
+        report["kill_trials_wall_s"] = time.monotonic() - t
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    if args.root is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
