@@ -286,6 +286,7 @@ def _run_child(mode, base, patch, out, kill_after: float | None) -> tuple[float,
 
 def kill_trials(n: int, root: Path, seed: int = 0) -> dict:
     from pulsediff import apply_patch
+    from pulsediff.atomic import INTENT_NAME
     from pulsediff.inspect import checkpoint_digest_of
 
     data = build_kill_corpus(root / "corpus")
@@ -324,6 +325,8 @@ def kill_trials(n: int, root: Path, seed: int = 0) -> dict:
             if _tree(old) != old_tree:
                 problem = "the base changed"
             elif mode == "in-place":
+                if (target / INTENT_NAME).exists():
+                    counts["killed among the renames (intent record left)"] += 1
                 checkpoint_digest_of(target)  # the next run that opens the folder finishes an interrupted update
                 now = _tree(target)
                 state = "old" if now == old_tree else "new" if now == new_tree else None

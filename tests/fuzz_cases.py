@@ -43,6 +43,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import struct
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -154,11 +155,12 @@ def snapshot(folder: Path) -> dict[str, tuple]:
             out[os.path.relpath(os.path.join(dirpath, d), folder) + "/"] = ("dir",)
         for n in filenames:
             p = os.path.join(dirpath, n)
-            try:
-                with open(p, "rb") as f:
-                    data = f.read()
-            except OSError as exc:
-                data = f"unreadable {exc.errno}".encode()
+            st = os.lstat(p)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or a link a case made: never opened here
+                out[os.path.relpath(p, folder)] = ("special", stat.S_IFMT(st.st_mode), os.path.islink(p) and os.readlink(p))
+                continue
+            with open(p, "rb") as f:
+                data = f.read()
             out[os.path.relpath(p, folder)] = (len(data), xxhash.xxh3_64_hexdigest(data))
     return out
 
@@ -199,6 +201,8 @@ class Sample:
     kind: str  # "file" or "dir"
     prev: str | None = None  # a patch whose target is this patch's base: a chain [prev, patch]
     prev_base: str | None = None
+    next: str | None = None  # a patch from this patch's target: a chain [patch, next]...
+    next_reference: str | None = None  # ...whose output is this
     receiver: bool = False  # bf16 onto a BF16 base: the base's own layout is written...
     stream_reference: str | None = None  # ...except from a stream, which keeps the patch's layout
 
@@ -295,7 +299,8 @@ def build_corpus(root: Path, big_bombs: bool = False) -> Corpus:
         for a, b in ((0, 1), (1, 2)):
             make_patch(root / f"ckpt/s{a}.safetensors", root / f"ckpt/s{b}.safetensors",
                        root / f"ckpt/{codec}-{a}{b}.pulsediff", codec=codec, device="cpu")
-        record(f"file-{codec}-01", "exact", "ckpt/s0.safetensors", "ckpt/s1.safetensors", f"ckpt/{codec}-01.pulsediff", "file")
+        record(f"file-{codec}-01", "exact", "ckpt/s0.safetensors", "ckpt/s1.safetensors", f"ckpt/{codec}-01.pulsediff",
+               "file", next=f"ckpt/{codec}-12.pulsediff", next_reference=f"ref/file-{codec}-12.safetensors")
         record(f"file-{codec}-12", "exact", "ckpt/s1.safetensors", "ckpt/s2.safetensors", f"ckpt/{codec}-12.pulsediff",
                "file", prev=f"ckpt/{codec}-01.pulsediff", prev_base="ckpt/s0.safetensors")
     make_patch(None, root / "ckpt/s1.safetensors", root / "ckpt/anchor.pulsediff", device="cpu")
@@ -1209,7 +1214,7 @@ def _what_it_says(corpus: Corpus, sample: Sample, data: bytes, clean_possible: b
         return None, None, False
 
 
-ACTIONS = ("stream", "path", "in-place", "chain", "onto-target", "stats", "squash")
+ACTIONS = ("stream", "path", "in-place", "chain", "chain-first", "onto-target", "stats", "squash")
 
 
 def run_patch(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, sample: Sample, h, post=None) -> None:
@@ -1228,7 +1233,7 @@ def decided(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, sample
     patch = work / "p.pulsediff"
     patch.write_bytes(data)
     base = corpus.path(sample.base)
-    weights = [30, 20, 12, 15 if sample.prev else 0, 6 if sample.base else 0, 12, 5]
+    weights = [30, 20, 12, 15 if sample.prev else 0, 10 if sample.next else 0, 6 if sample.base else 0, 12, 5]
     action = rng.choices(ACTIONS, weights)[0]
     out = work / ("out.safetensors" if sample.kind == "file" else "out")
     in_place = False
@@ -1239,6 +1244,12 @@ def decided(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, sample
     elif action == "chain":
         ok, _ = attempt(judge, work, "apply (chain)", lambda: apply_chain(
             corpus.path(sample.prev_base), [corpus.path(sample.prev), patch], out, device="cpu"))
+    elif action == "chain-first":  # the mutated patch, then a clean one: the output is the clean one's target
+        ok, _ = attempt(judge, work, "apply (chain, first link)", lambda: apply_chain(
+            base, [patch, corpus.path(sample.next)], out, device="cpu"))
+        if ok and out.read_bytes() != corpus.read(sample.next_reference):
+            raise Finding("wrong", "chain-first: output differs from the chain's target, byte for byte")
+        return
     elif action == "onto-target":
         ok, _ = attempt(judge, work, "apply (onto its target)",
                         lambda: apply_patch(corpus.path(sample.target), patch, out, device="cpu"))
@@ -1302,11 +1313,24 @@ def case_checkpoint(corpus: Corpus, rng: random.Random, work: Path, judge: Judge
         else:
             (hostile / rng.choice(["extra.safetensors", "weights.bin", "sub.safetensors"])).write_bytes(
                 mutate_safetensors(rng, next(hostile.glob("*.safetensors")).read_bytes()))
-        expected_bytes = None
+    elif rng.random() < 0.05:  # not a regular file at all: a FIFO used to block forever
+        hostile = work / "h.safetensors"
+        special = rng.randrange(5)
+        if special == 0:
+            os.mkfifo(hostile)
+        elif special == 1:
+            hostile.symlink_to("/dev/zero")
+        elif special == 2:
+            hostile.symlink_to(hostile.name)  # a loop
+        elif special == 3:
+            hostile.mkdir()
+        else:
+            hostile.write_bytes(b"")
     else:
         hostile = work / "h.safetensors"
         hostile.write_bytes(mutate_safetensors(rng, old.read_bytes() if rng.random() < 0.7 else new.read_bytes()))
-        expected_bytes = hostile.read_bytes()
+        if rng.random() < 0.1:
+            publish_hostile(corpus, rng, work, judge, hostile)
     precision = "bf16" if rng.random() < 0.15 else "exact"
     codec = rng.choice(["ctx-rans", "gap-zstd"])
 
@@ -1342,7 +1366,41 @@ def case_checkpoint(corpus: Corpus, rng: random.Random, work: Path, judge: Judge
         if str(exc) != str(exc_from):
             raise Finding("asymmetric", f"apply refused the base ({exc}) but make said {exc_from or 'nothing'}")
         judge.fact("make refused it first, same message")
-    del expected_bytes
+
+
+def publish_hostile(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, hostile: Path) -> None:
+    """A hostile checkpoint as a trainer's newest step: publish skips it or publishes a step that
+    catch-up then rebuilds byte for byte (it never publishes what no worker can apply)."""
+    from pulsediff.inspect import checkpoint_digest_of
+    from pulsediff.manifest import Manifest
+    from pulsediff.series import catch_up, publish_once
+
+    train, pub = work / "train", work / "pub"
+    train.mkdir()
+    shutil.copyfile(corpus.path(corpus.ckpt_old), train / "step_000000.safetensors")
+    shutil.copyfile(hostile, train / "step_000001.safetensors")
+    ok, _ = attempt(judge, work, "publish", lambda: publish_once(train, pub, anchor_every=rng.choice([1, 2]), settle=0),
+                    allowed=("pub",))
+    manifest = Manifest.load(pub) if pub.exists() else None
+    if ok and manifest is not None and any(e.step == 1 for e in manifest.entries):
+        judge.fact("publish published it")
+        worker = work / "w.safetensors"
+        done, exc = attempt(judge, work, "catch-up (published hostile)", lambda: catch_up(worker, pub, device="cpu"))
+        if not done:
+            raise Finding("asymmetric", f"publish published a step catch-up cannot rebuild: {exc}")
+        if worker.read_bytes() != hostile.read_bytes():
+            # Digests name tensors, not file layouts: when step 1 holds step 0's tensors (only its header
+            # differs), catch-up may take step 0's file and say step 1 (docs/FORMAT.md §8). Anything else
+            # is wrong.
+            if worker.read_bytes() != (train / "step_000000.safetensors").read_bytes() or (
+                    checkpoint_digest_of(worker) != checkpoint_digest_of(hostile)):
+                raise Finding("wrong", "catch-up of a published hostile step did not rebuild it byte for byte")
+            judge.fact("catch-up gave the earlier step with the same tensors")
+        worker.unlink()
+    elif ok:
+        judge.fact("publish skipped it")
+    shutil.rmtree(train)
+    shutil.rmtree(pub, ignore_errors=True)
 
 
 def _tree_bytes(path: Path) -> dict[str, bytes] | bytes | None:

@@ -32,7 +32,6 @@ from hypothesis import strategies as st
 import fuzz_cases as fc
 from ckpt_factory import folder_bytes, mutate, random_tensor, save, save_sharded
 from pulsediff import apply_patch, make_patch
-from pulsediff.checkpoint import Checkpoint
 from pulsediff.errors import CorruptPatchError, InvalidCheckpointError, PulsediffError
 from pulsediff.patch import PatchHeader
 from pulsediff.safetensors_io import HeaderError, parse_header
