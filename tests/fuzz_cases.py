@@ -1061,6 +1061,36 @@ def output_problem(out: Path, h: dict, blob: bytes | None, sample: Sample, corpu
 # -- patch cases ------------------------------------------------------------------------------
 
 
+def reshape_tensor(h: dict, name: str, shape: list) -> None:
+    """Give tensor `name` another shape in the header and in its file's layout header alike (data offsets
+    moved, padding redone, layout digest recomputed): a consistent lie about its size."""
+    lay = h["layout"]
+    blob = decompress(lay["section"]["__body__"])
+    pos = first = 0
+    parts = []
+    for f in lay["files"]:
+        raw = blob[pos : pos + f["header_len"]]
+        pos += f["header_len"]
+        records = h["tensors"][first : first + f["tensors"]]
+        first += f["tensors"]
+        if any(t["name"] == name for t in records):
+            header = json.loads(raw)
+            offset = 0
+            for t in records:  # in data order
+                if t["name"] == name:
+                    t["shape"] = list(shape)
+                n = tensor_nbytes(t)
+                header[t["name"]].update(shape=t["shape"], data_offsets=[offset, offset + n])
+                offset += n
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-(8 + len(raw)) % 8)
+            f["header_len"] = len(raw)
+        parts.append(raw)
+    blob = b"".join(parts) + blob[pos:]  # and the index, if any
+    lay["section"]["__body__"] = compress(blob)
+    lay["digest"] = xxhash.xxh3_128_hexdigest(blob)
+
+
 def _pick_sample(rng: random.Random, corpus: Corpus, predicate) -> tuple[Sample, dict]:
     choices = [s for s in corpus.samples if predicate(s)]
     sample = rng.choice(choices)

@@ -315,3 +315,19 @@ except CorruptPatchError as exc:
     run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-500:]
     assert "too large to parse in the memory" in run.stdout
+
+
+def test_a_frame_cannot_declare_more_than_zstd_blocks_can_hold(pair, tmp_path):
+    """A tensor reshaped to 4 TiB in the header and its layout (all consistent, checksums recomputed), carried
+    by a 30-byte frame that declares 4 TiB: the declared size matched the header's, so zstandard allocated
+    it (MemoryError). A zstd block holds at most 128 KiB behind a 3-byte header, so no frame of n bytes
+    can hold more than ~n/3 * 128 KiB: the declared size is checked against that first."""
+    old, _, patch = pair
+    h, _ = patch_parts(patch)
+    fc.reshape_tensor(h, "b", [2**40])
+    small = fc.compress(b"\0" * 16)
+    entry = next(t for t in h["tensors"] if t["name"] == "b")
+    assert entry["op"] == "full"
+    entry["section"]["__body__"] = small[:4] + bytes([0xE0]) + struct.pack("<Q", 2**42) + small[6:]
+    entry["changed"] = 2**40
+    refused_with_nothing_written(old, fc.assemble(h), tmp_path, "more than a frame of")

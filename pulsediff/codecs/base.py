@@ -95,11 +95,23 @@ def zstd_compress(data) -> bytes:
     return _CCTX.compress(data)
 
 
+# A zstd block decompresses to at most 128 KiB and takes at least its 3-byte header (RFC 8878, 3.1.1.2),
+# so a frame of n bytes cannot hold more than about n / 3 blocks of 128 KiB.
+_ZSTD_BLOCK_MAX = 128 * 1024
+
+
+def zstd_max_content(frame_len: int) -> int:
+    """The most a zstd frame of `frame_len` bytes can decompress to."""
+    return (frame_len // 3 + 1) * _ZSTD_BLOCK_MAX
+
+
 def zstd_decompress_exact(data: bytes, expected: int, ctx: SectionContext, what: str) -> bytes:
     """Decompress one zstd frame that must hold exactly `expected` bytes.
 
-    The frame's declared size is checked before anything is allocated, so a
-    hostile section cannot make us allocate more than the header's bounds.
+    The frame's declared size is checked before anything is allocated, against
+    the header's size and against what a frame of its length can hold: the
+    header's size may itself be a consistent lie (a tensor reshaped to 4 TiB
+    in the header and its layout alike, carried by a 30-byte frame).
     """
     try:
         declared = zstandard.frame_content_size(data)
@@ -107,6 +119,9 @@ def zstd_decompress_exact(data: bytes, expected: int, ctx: SectionContext, what:
         raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: {what} is not a zstd frame") from None
     if declared != expected:
         raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: {what} declares {declared} bytes, expected {expected}")
+    if declared > zstd_max_content(len(data)):
+        raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: {what} declares {declared} bytes, more than a "
+                                            f"frame of {len(data)} bytes can hold")
     try:
         out = zstandard.ZstdDecompressor().decompress(data, max_output_size=expected)
     except zstandard.ZstdError as exc:
