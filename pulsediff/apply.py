@@ -235,11 +235,16 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
     layout_blob = read_layout(reader, header, sequential=True)
     scratch = Scratch()
 
+    def base_bits(rec: TensorRecord) -> np.ndarray:
+        if rec.name not in view.ckpt:  # a header may say so even when the base digest matched
+            raise CorruptPatchError(reader.source, f"tensor {rec.name!r} is {rec.op!r} but the base lacks it")
+        return view.get(rec.name).bits
+
     def target_bits(rec: TensorRecord) -> np.ndarray:
         payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
         if copy_all:
-            return rebuild_tensor(rec, None, view.get(rec.name).bits, backend, reader.source, scratch)
-        return rebuild_tensor(rec, payload, view.get(rec.name).bits if rec.op != "full" else None, backend,
+            return rebuild_tensor(rec, None, base_bits(rec), backend, reader.source, scratch)
+        return rebuild_tensor(rec, payload, base_bits(rec) if rec.op != "full" else None, backend,
                         reader.source, scratch)
 
     def before_commit() -> None:
@@ -346,12 +351,20 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
         bits = base_bits
     else:
         codec = get_codec(rec.section.codec)
-        if base_bits is not None and rec.op == "patch" and base_bits.size != rec.numel:
-            raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements, patch expects {rec.numel}")
+        if base_bits is not None and rec.op == "patch" and (base_bits.size, base_bits.dtype.itemsize) != (
+                rec.numel, rec.dtype.itemsize):
+            raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
+                                            f"{base_bits.dtype.itemsize} bytes, patch expects {rec.numel} of "
+                                            f"{rec.dtype.itemsize}")
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
         bits = codec.decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
     if tensor_hash(bits) != rec.target_hash:
         raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
+    # The hash says nothing of the size when the header lies about it consistently (a "same" tensor given
+    # another shape or dtype): the file header would promise bytes that are not written.
+    if (bits.size, bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
+        raise CorruptPatchError(source, f"tensor {rec.name!r} rebuilds to {bits.size} elements of "
+                                        f"{bits.dtype.itemsize} bytes; the header says {rec.numel} of {rec.dtype.itemsize}")
     return bits
 
 

@@ -331,3 +331,41 @@ def test_a_frame_cannot_declare_more_than_zstd_blocks_can_hold(pair, tmp_path):
     entry["section"]["__body__"] = small[:4] + bytes([0xE0]) + struct.pack("<Q", 2**42) + small[6:]
     entry["changed"] = 2**40
     refused_with_nothing_written(old, fc.assemble(h), tmp_path, "more than a frame of")
+
+
+def test_a_tensor_kept_from_the_base_must_have_the_size_the_header_says(pair, tmp_path):
+    """A 'same' tensor whose shape (or dtype) the header changed, with its layout header and the target
+    digest recomputed to agree: apply wrote the base's 64 bytes where the file header promised 68 or 16,
+    a corrupt safetensors file, and called it verified. The rebuilt tensor's size is now checked."""
+    old, _, _ = pair
+    rng = np.random.default_rng(14)
+    base = {"w": random_tensor(rng, "BF16", (64, 8)), "ids": random_tensor(rng, "I32", (16,))}
+    old = save(base, tmp_path / "old.safetensors")
+    new = save({"w": mutate(rng, base["w"], 0.05), "ids": base["ids"]}, tmp_path / "new.safetensors")
+    make_patch(old, new, tmp_path / "p", device="cpu")
+    for lie in ({"shape": [17]}, {"dtype": "F8_E4M3"}):
+        h, _ = patch_parts(tmp_path / "p")
+        entry = next(t for t in h["tensors"] if t["name"] == "ids")
+        assert entry["op"] == "same"
+        entry.update(lie)
+        fc.edit_layout_headers(h, lambda header, records: None)
+        fc.retarget(h)
+        out = tmp_path / "out.safetensors"
+        with pytest.raises(CorruptPatchError, match="'ids' rebuilds to"):
+            apply_patch(old, io.BytesIO(fc.assemble(h)), out, device="cpu")
+        assert not out.exists()
+
+
+def test_a_tensor_kept_from_a_base_that_lacks_it_is_refused(tmp_path):
+    """An anchor (base: the empty checkpoint) with an entry turned into 'same': KeyError from checkpoint.py."""
+    rng = np.random.default_rng(15)
+    new = save({"a": random_tensor(rng, "F32", (4,)), "b": random_tensor(rng, "U8", (3,))}, tmp_path / "new.safetensors")
+    make_patch(None, new, tmp_path / "anchor", device="cpu")
+    h, _ = patch_parts(tmp_path / "anchor")
+    entry = h["tensors"][0]
+    entry.update(op="same", changed=0, base_hash=entry["target_hash"])
+    entry.pop("section")
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CorruptPatchError, match="the base lacks"):
+        apply_patch(None, io.BytesIO(fc.assemble(h)), out, device="cpu")
+    assert not out.exists()
