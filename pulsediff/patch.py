@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint import PRECISIONS, is_plain_filename
 from .codecs import get_codec
-from .digest import is_digest, is_tensor_hash
+from .digest import TensorId, checkpoint_digest, is_digest, is_tensor_hash
 from .dtypes import DType, lookup
 from .errors import CorruptPatchError
 from .folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
@@ -192,6 +192,10 @@ class _Parser:
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise self.fail("tensors names a tensor twice")
+        # The target digest is the digest of these entries (§3): one that is not names another checkpoint
+        # than the entries rebuild (squash wrote such a patch, then failed an assertion).
+        if checkpoint_digest(TensorId(t.name, t.dtype.name, t.shape, t.target_hash) for t in tensors) != target_digest:
+            raise self.fail("target.digest is not the digest of the tensor entries")
         removed = tuple(self.name(n, "removed") for n in self.list(obj, "removed", MAX_TENSORS))
         layout = self.layout(self.get(obj, "layout", dict, ""), len(tensors))
         files, removed_files = self.folder_files(obj, layout)

@@ -369,3 +369,22 @@ def test_a_tensor_kept_from_a_base_that_lacks_it_is_refused(tmp_path):
     with pytest.raises(CorruptPatchError, match="the base lacks"):
         apply_patch(None, io.BytesIO(fc.assemble(h)), out, device="cpu")
     assert not out.exists()
+
+
+def test_a_target_digest_that_is_not_the_entries_digest_is_refused(tmp_path):
+    """A tensor's dtype changed U8 -> BOOL (layout agreeing, target digest left as it was): squash wrote the
+    squashed patch, then failed `AssertionError: squashed patch does not reach the chain's target`."""
+    from pulsediff.squash import squash_patches
+
+    rng = np.random.default_rng(16)
+    base = {"w": random_tensor(rng, "BF16", (64, 8)), "m": random_tensor(rng, "BOOL", (8,))}
+    old = save(base, tmp_path / "old.safetensors")
+    new = save({"w": mutate(rng, base["w"], 0.05), "m": base["m"]}, tmp_path / "new.safetensors")
+    make_patch(old, new, tmp_path / "p", device="cpu")
+    h, _ = patch_parts(tmp_path / "p")
+    next(t for t in h["tensors"] if t["name"] == "m")["dtype"] = "U8"
+    fc.edit_layout_headers(h, lambda header, records: None)
+    (tmp_path / "forged").write_bytes(fc.assemble(h))
+    with pytest.raises(CorruptPatchError, match="target.digest is not the digest of the tensor entries"):
+        squash_patches(old, [tmp_path / "forged"], tmp_path / "squashed", device="cpu")
+    assert not (tmp_path / "squashed").exists()
