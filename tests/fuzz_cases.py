@@ -982,9 +982,12 @@ def check_claims(out: Path, h: dict, blob: bytes | None, *, in_place: bool, rece
         return f"accepted a malformed header ({type(exc).__name__}: {exc})"
     lay = h["layout"]
     if receiver:  # bf16 onto a BF16 base: the base's layout, so check the tensors only
-        with Checkpoint(out) as ckpt:
-            got = {n: (ckpt.entry(n).dtype.name, ckpt.entry(n).shape, xxhash.xxh3_128_hexdigest(ckpt.raw_bytes(n).tobytes()))
-                   for n in ckpt.names}
+        try:
+            with Checkpoint(out) as ckpt:
+                got = {n: (ckpt.entry(n).dtype.name, ckpt.entry(n).shape,
+                           xxhash.xxh3_128_hexdigest(ckpt.raw_bytes(n).tobytes())) for n in ckpt.names}
+        except PulsediffError as exc:
+            return f"output is not a valid checkpoint ({exc})"
         want = {t.name: (t.dtype, t.shape, t.hash) for t in claims}
         return None if got == want else "rebuilt tensors differ from the header's"
     if blob is None:
@@ -1091,6 +1094,90 @@ def reshape_tensor(h: dict, name: str, shape: list) -> None:
     lay["digest"] = xxhash.xxh3_128_hexdigest(blob)
 
 
+def edit_layout_headers(h: dict, edit) -> None:
+    """Apply `edit(header_json, records)` to each file's safetensors header in the layout, then redo data
+    offsets (in the records' order), padding, header lengths and the layout digest."""
+    lay = h["layout"]
+    blob = decompress(lay["section"]["__body__"])
+    pos = first = 0
+    parts = []
+    for f in lay["files"]:
+        header = json.loads(blob[pos : pos + f["header_len"]])
+        pos += f["header_len"]
+        records = h["tensors"][first : first + f["tensors"]]
+        first += f["tensors"]
+        header = edit(header, records) or header
+        offset = 0
+        out = {"__metadata__": header["__metadata__"]} if "__metadata__" in header else {}
+        for t in records:
+            n = tensor_nbytes(t)
+            out[t["name"]] = {**header.get(t["name"], {}), "dtype": t["dtype"], "shape": t["shape"],
+                              "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(out, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)
+        f["header_len"] = len(raw)
+        parts.append(raw)
+    blob = b"".join(parts) + blob[pos:]  # and the index, if any
+    lay["section"]["__body__"] = compress(blob)
+    lay["digest"] = xxhash.xxh3_128_hexdigest(blob)
+
+
+def retarget(h: dict) -> None:
+    """target.digest recomputed from the tensor entries, so that a lie about them is told consistently."""
+    from pulsediff.digest import TensorId, checkpoint_digest
+
+    h["target"]["digest"] = checkpoint_digest(
+        [TensorId(t["name"], t["dtype"], tuple(t["shape"]), t["target_hash"]) for t in h["tensors"]])
+
+
+HOSTILE_SHAPES = [[2**40], [0], [2**24, 2**24], [1] * 64, [2**28], [3, 0, 2**40], [2**44 // 8, 2]]
+
+
+def mutate_consistently(rng: random.Random, corpus: Corpus, h: dict) -> None:
+    """A lie the header and its layout tell together: shapes, dtypes, names, order, files; the section of a
+    resized whole tensor becomes a frame that declares the new size (a bomb, or one that only says so)."""
+    try:
+        t = rng.choice(h["tensors"])
+        op = rng.randrange(6)
+        if op == 0:
+            t["shape"] = copy.deepcopy(rng.choice(HOSTILE_SHAPES + [[math.prod(t["shape"]) + 1], t["shape"][::-1]]))
+            numel = math.prod(t["shape"])
+            t["changed"] = min(t["changed"], numel) if t["op"] != "full" else numel
+            if t["op"] == "full":
+                size = tensor_nbytes(t)
+                small = compress(b"\0" * 16)
+                t["section"]["__body__"] = rng.choice([
+                    small[:4] + bytes([0xE0]) + struct.pack("<Q", size) + small[6:],  # declares it, holds 16 bytes
+                    corpus.read(rng.choice(list(corpus.bombs.values()))),
+                    zstandard.ZstdCompressor(level=1).compress(b"\0" * min(size, 1 << 24))])
+        elif op == 1:
+            t["dtype"] = rng.choice(list(DTYPES))
+        elif op == 2:
+            t["name"] = rng.choice(["renamed", t["name"] + ".x", "a" * 4096, h["tensors"][0]["name"]])
+        elif op == 3:
+            f = rng.choice(h["layout"]["files"])
+            if f["tensors"] > 1:  # two tensors of one file swap places
+                start = sum(g["tensors"] for g in h["layout"]["files"][: h["layout"]["files"].index(f)])
+                i, j = rng.sample(range(start, start + f["tensors"]), 2)
+                h["tensors"][i], h["tensors"][j] = h["tensors"][j], h["tensors"][i]
+        elif op == 4 and len(h["layout"]["files"]) > 1:  # a tensor moves to the next file
+            f, g = h["layout"]["files"][:2]
+            if f["tensors"] > 1:
+                f["tensors"] -= 1
+                g["tensors"] += 1
+        else:
+            t["op"], t["changed"] = rng.choice([("same", 0), ("full", math.prod(t["shape"]))])
+            t.pop("section", None) if t["op"] == "same" else t.setdefault(
+                "section", {"codec": "full-zstd", "params": {}, "__body__": compress(b"\0" * tensor_nbytes(t))})
+            t["base_hash"] = t.get("base_hash") or t["target_hash"]
+        edit_layout_headers(h, lambda header, records: None)
+        if rng.random() < 0.7:
+            retarget(h)
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError):
+        pass  # the sample lacks what this lie needs
+
+
 def _pick_sample(rng: random.Random, corpus: Corpus, predicate) -> tuple[Sample, dict]:
     choices = [s for s in corpus.samples if predicate(s)]
     sample = rng.choice(choices)
@@ -1123,8 +1210,11 @@ def case_codec(codec: str):
 def case_header(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) -> None:
     sample, h = _pick_sample(rng, corpus, lambda s: True)
     r = rng.random()
-    if r < 0.7:
+    if r < 0.5:
         h = mutate_json(h, rng)
+        run_patch(corpus, rng, work, judge, sample, h)
+    elif r < 0.7:  # lies told consistently: header, layout, digests and sizes all agree
+        mutate_consistently(rng, corpus, h)
         run_patch(corpus, rng, work, judge, sample, h)
     elif r < 0.85:  # edits that must survive the assembly: where sections lie, their checksums, sizes
         post = lambda hh: mutate_json(hh, rng)  # noqa: E731
