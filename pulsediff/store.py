@@ -340,7 +340,7 @@ class ObjectStoreSource(Store):
         first publish after a killed one removes what the killed one left."""
         self.writable()
         if self._staging is None:
-            folder = Path(tempfile.gettempdir()) / "pulsediff-publish"
+            folder = Path(tempfile.gettempdir()) / f"pulsediff-publish-{os.getuid()}"  # one per user: /tmp is shared
             try:
                 folder.mkdir(exist_ok=True)
             except OSError as exc:

@@ -517,7 +517,7 @@ def test_publish_rerun_after_a_kill_reuses_identical_objects(train, published, s
     again, finds them there, and publishes."""
     prefix = copy_series(published, "rerun")
     (published.parent / prefix / MANIFEST).unlink()
-    staging = Path(tempfile.gettempdir()) / "pulsediff-publish"
+    staging = Path(tempfile.gettempdir()) / f"pulsediff-publish-{os.getuid()}"
     staging.mkdir(exist_ok=True)
     left = staging / f".anchor-00000000.pulsediff.{_HOST}-999999999.staged{TMP_SUFFIX}"  # a SIGKILLed publish's
     left.write_bytes(b"half an anchor")
