@@ -148,7 +148,7 @@ def run_cases(args, corpus_root: Path, work_root: Path) -> dict:
             facts[kind]["run " + k] += v
         for k, v in (case_facts or {}).items():
             facts[kind][k] += v
-        if verdict in ("exception", "wrong", "asymmetric", "memory", "crash", "hang"):
+        if verdict in ("exception", "wrong", "asymmetric", "memory", "crash", "hang", "harness"):
             key = f"{verdict}: {error or detail.split(' at ')[0][:60]} @ {detail.rsplit(' at ', 1)[-1] if ' at ' in detail else kind}"
             examples.setdefault(key, {"kind": kind, "seed": seed, "detail": detail, "count": 0})["count"] += 1
 

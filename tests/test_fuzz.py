@@ -318,7 +318,7 @@ except CorruptPatchError as exc:
 
 
 def test_a_frame_cannot_declare_more_than_zstd_blocks_can_hold(pair, tmp_path):
-    """A tensor reshaped to 4 TiB in the header and its layout (all consistent, checksums recomputed), carried
+    """A tensor reshaped to 4 TiB in the header, its layout and the target digest (checksums recomputed), carried
     by a 30-byte frame that declares 4 TiB: the declared size matched the header's, so zstandard allocated
     it (MemoryError). A zstd block holds at most 128 KiB behind a 3-byte header, so no frame of n bytes
     can hold more than ~n/3 * 128 KiB: the declared size is checked against that first."""
@@ -330,6 +330,7 @@ def test_a_frame_cannot_declare_more_than_zstd_blocks_can_hold(pair, tmp_path):
     assert entry["op"] == "full"
     entry["section"]["__body__"] = small[:4] + bytes([0xE0]) + struct.pack("<Q", 2**42) + small[6:]
     entry["changed"] = 2**40
+    fc.retarget(h)  # the lie told consistently: the target digest agrees with the entries
     refused_with_nothing_written(old, fc.assemble(h), tmp_path, "more than a frame of")
 
 
