@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import quote, urlsplit
 
-from .atomic import output_error, remove_stale_temporaries
+from .atomic import TMP_SUFFIX, output_error, remove_stale_temporaries, temp_prefix
 from .errors import InvalidManifestError, PulsediffError, UsageError
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifest, parse_manifest
 from .progress import SILENT, Progress
@@ -277,6 +277,7 @@ class ObjectStoreSource(Store):
         self._staging: Path | None = None
         self._manifest: tuple[str, bytes] | None = None  # (etag, bytes) of the manifest last read or written
         self._stop = threading.Event()
+        self._use: dict[str, Path] = {}  # name -> this process's own hard link to the checked file
         client = {"connect_timeout": "10s", "read_timeout": "60s", "timeout": "24h"}  # a stall, not a slow link, fails
         retry = {"max_retries": 3, "retry_timeout": timedelta(seconds=30),
                  "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=5), "base": 2}}
@@ -449,11 +450,23 @@ class ObjectStoreSource(Store):
 
     def close(self) -> None:
         self._staging = None  # publish removed its staged files; the shared folder stays
+        for link in self._use.values():
+            link.unlink(missing_ok=True)
+        self._use.clear()
 
     # -- catching up
 
     def path(self, name: str) -> Path:
-        return self.cache / name
+        return self._use.get(name, self.cache / name)
+
+    def _own_link(self, src: Path, name: str) -> Path:
+        """A hard link to `src` that only this process uses (and removes): another catch-up on the same cache
+        may delete the shared name once it has applied it, and this one must still read what it checked.
+        Its name carries host and pid, so a killed process's links are swept like its temporaries."""
+        link = self.cache / f"{temp_prefix(self.cache / name)}use{TMP_SUFFIX}"
+        link.unlink(missing_ok=True)
+        os.link(src, link)
+        return link
 
     def fetch(self, entries: list[Entry], check: Check, progress: Progress = SILENT) -> dict[str, str]:
         """Download and check `entries` in parallel; {name: problem} for those that cannot be used."""
@@ -489,19 +502,26 @@ class ObjectStoreSource(Store):
         final = self.path(e.file)
         part = self.cache / f".{e.file}{PART_SUFFIX}"
         with _locked(part) as f:  # another catch-up on this cache waits here, then finds the file done
-            if final.is_file():  # checked when it arrived; checked again: anything may have touched it since
+            try:
+                mine = self._own_link(final, e.file)  # checked when it arrived; checked again before each use
+            except FileNotFoundError:
+                mine = None
+            if mine is not None:
                 advance(e.bytes, 0)
-                problem = self._check(final, e, check, fresh=False)
+                problem = self._check(mine, e, check, fresh=False)
                 if problem is None:
+                    self._use[e.file] = mine
                     advance(0, 1)
                     _drop_if_empty(part, f)
                     return None
+                mine.unlink(missing_ok=True)
                 final.unlink(missing_ok=True)
                 advance(-e.bytes, 0)
             for restart in (False, True):
                 got = self._download(e, f, advance, restart=restart)
                 problem = got.problem or self._check(part, e, check, fresh=got.fresh)
                 if problem is None:
+                    self._use[e.file] = self._own_link(part, e.file)
                     os.replace(part, final)
                     advance(0, 1)
                     return None
@@ -591,15 +611,19 @@ class ObjectStoreSource(Store):
 
     def forget(self, names: list[str], listed: set[str]) -> None:
         """The cache holds downloads, not a mirror (an anchor is nearly a checkpoint's size): drop what was
-        applied, and whatever the manifest no longer lists (pruned by the publisher), parts included."""
+        applied, and what the manifest no longer lists (pruned by the publisher), unless another catch-up
+        is downloading it (its .part is locked: that one may have read a newer manifest)."""
+        self.close()
         try:
             present = os.listdir(self.cache)
         except OSError:
             return
         done = set(names)
         for name in present:
-            file = name[1:-len(PART_SUFFIX)] if name.startswith(".") and name.endswith(PART_SUFFIX) else name
-            if file.endswith(PATCH_SUFFIX) and (file in done and file == name or file not in listed):
+            if name.startswith(".") and name.endswith(PATCH_SUFFIX + PART_SUFFIX):
+                if name[1:-len(PART_SUFFIX)] not in listed:
+                    _remove_unlocked(self.cache / name)
+            elif name.endswith(PATCH_SUFFIX) and not name.startswith(".") and (name in done or name not in listed):
                 (self.cache / name).unlink(missing_ok=True)
 
 
@@ -623,6 +647,20 @@ def _locked(part: Path):
         f.close()
     with f:
         yield f
+
+
+def _remove_unlocked(part: Path) -> None:
+    try:
+        fd = os.open(part, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        part.unlink(missing_ok=True)
+    except OSError:
+        pass  # locked: being downloaded
+    finally:
+        os.close(fd)
 
 
 def _drop_if_empty(part: Path, f) -> None:

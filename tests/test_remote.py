@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -433,6 +434,42 @@ def test_server_killed_mid_download_then_resumed(train, published, root, tmp_pat
         slow.kill()
     assert worker.read_bytes() == ckpt(train, STEPS).read_bytes() and result.files == [anchor]
     assert relay.gets(anchor) == [("GET", f"/bucket/series/{anchor}", f"bytes={kept}-")]
+
+
+def test_ctrl_c_mid_download_exits_130_at_once(published, root, tmp_path):
+    slow = Server("http", root, "--bwlimit", "50k")
+    worker, cache = tmp_path / "w.safetensors", tmp_path / "cache"
+    part = cache / f".{plan_catch_up(worker, published).files[0]}.part"
+    proc = subprocess.Popen([*PULSEDIFF, "catch-up", str(worker), f"{slow.url}/bucket/series", "--cache", str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (part.exists() and part.stat().st_size > 50_000) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        proc.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        slow.kill()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and took < 5  # not after the download would have finished (~10 s)
+    assert not worker.exists() and part.stat().st_size >= 50_000  # kept for the next run to resume
+
+
+def test_two_workers_share_one_cache(train, published, root, tmp_path):
+    """Two catch-ups at once on one cache: one downloads each file while the other waits on its lock."""
+    slow = Server("http", root, "--bwlimit", "300k")
+    workers = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    try:
+        procs = [subprocess.Popen([*PULSEDIFF, "catch-up", str(w), f"{slow.url}/bucket/series", "--cache",
+                                   str(tmp_path / "cache"), "-q"], stderr=subprocess.PIPE) for w in workers]
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        slow.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert all(w.read_bytes() == ckpt(train, STEPS).read_bytes() for w in workers)
 
 
 def test_rate_limited_link_ends_right(train, published, root, aws_env, tmp_path, monkeypatch):
