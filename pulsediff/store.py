@@ -21,7 +21,9 @@ through obstore, and downloads into a cache folder:
 - only the files asked for, in parallel (FETCH_THREADS), each in one GET;
 - into a hidden `.NAME.part` file, locked while written, renamed to NAME
   only after its size and `check` pass: a file under its real name in the
-  cache has been checked, and is checked again before each use;
+  cache has been checked, and is checked again before each use, through a
+  hard link of this process's own (another catch-up on the same cache may
+  remove the name once it has applied the file);
 - a `.part` left by a dropped connection or a killed run is resumed with a
   Range request; a server that ignores the range, or a resumed file that
   fails its check, is fetched once more from the start;
