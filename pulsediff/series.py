@@ -146,6 +146,8 @@ class PublishReport:
     pruned: int = 0
     pending: dict[str, str] = field(default_factory=dict)  # checkpoint name -> why it is not published yet
     skipped: dict[str, str] = field(default_factory=dict)  # named like a step, complete, but no checkpoint
+    would_write: list[str] = field(default_factory=list)  # dry run: the files a real run would publish, in order
+    would_prune: list[str] = field(default_factory=list)  # dry run: the files --keep would delete
 
     @property
     def settling(self) -> bool:
@@ -155,12 +157,14 @@ class PublishReport:
 def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every: int = 10, keep: int | None = None,
                  skips: bool = True, precision: str = "exact", codec: str | None = None, device: str | None = None,
                  pattern: str = DEFAULT_STEP_PATTERN, ready: str = "stable", settle: float = DEFAULT_SETTLE,
-                 progress: Progress = SILENT) -> PublishReport:
+                 progress: Progress = SILENT, dry_run: bool = False) -> PublishReport:
     """Publish every complete checkpoint newer than the manifest's newest step, in step order.
 
     Stops at the first step that is not complete yet (see above), so steps are
     never published out of order; an old file that never opens is skipped.
-    `out_dir` is a folder, an `s3://bucket/prefix` URL, or a Store.
+    `out_dir` is a folder, an `s3://bucket/prefix` URL, or a Store. `dry_run`:
+    judge every step as a real run would, make and write nothing, and list in
+    the report the files it would publish and prune.
     """
     if anchor_every < 1:
         raise UsageError("--anchor-every must be at least 1")
@@ -174,14 +178,15 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
     dest.writable()
     try:
         return _publish_once(train_dir, dest, anchor_every=anchor_every, keep=keep, skips=skips, precision=precision,
-                             codec=codec, device=device, pattern=pattern, ready=ready, settle=settle, progress=progress)
+                             codec=codec, device=device, pattern=pattern, ready=ready, settle=settle, progress=progress,
+                             dry_run=dry_run)
     finally:
         if dest is not out_dir:
             dest.close()
 
 
 def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, precision, codec, device, pattern, ready,
-                  settle, progress) -> PublishReport:
+                  settle, progress, dry_run=False) -> PublishReport:
     from .inspect import checkpoint_digest_of
     from .make import make_patch
 
@@ -199,6 +204,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
     prev = paths.get(last_step) if last_step is not None else None
     steps_done = sorted({e.step for e in manifest.entries})
     digest_at = {e.step: e.target for e in manifest.entries}
+    planned_kinds = [(e.kind, e.step, e.file) for e in manifest.entries]  # a dry run's view of the manifest
 
     for step, path in candidates:
         if last_step is not None and step <= last_step:
@@ -227,6 +233,14 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         # (the first step, or the previous checkpoint is gone from the training folder).
         if prev is None or index % anchor_every == 0:
             planned.append(("anchor", f"anchor-{step:08d}.pulsediff", None, None))
+        if dry_run:
+            report.would_write += [name for _, name, _, _ in planned]
+            report.patches += sum(kind == "patch" for kind, *_ in planned)
+            report.anchors += sum(kind == "anchor" for kind, *_ in planned)
+            steps_done.append(step)
+            prev, last_step = path, step
+            planned_kinds.extend((kind, step, name) for kind, name, _, _ in planned)
+            continue
         staged: list[tuple[Path, str]] = []
         staging = dest.staging()
         try:
@@ -257,7 +271,9 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         steps_done.append(step)
         digest_at[step] = new_entries[0].target
         prev, last_step = path, step
-    if keep is not None:
+    if keep is not None and dry_run:
+        report.would_prune = _to_prune(planned_kinds, keep)
+    elif keep is not None:
         report.pruned = _prune(manifest, dest, keep)
     return report
 
@@ -269,15 +285,24 @@ def _fingerprint_or_none(path: Path) -> tuple | None:
         return None
 
 
-def _prune(manifest: Manifest, dest: Store, keep: int) -> int:
-    """Keep the newest `keep` anchors and everything after the oldest of them."""
+def _to_prune(entries: list[tuple[str, int, str]], keep: int) -> list[str]:
+    """The files (of (kind, step, file) entries) that keeping the newest `keep` anchors and everything
+    after the oldest of them drops."""
     if keep < 1:
         raise UsageError("--keep must be at least 1")
-    anchors = sorted((e for e in manifest.entries if e.kind == "anchor"), key=lambda e: e.step)
+    anchors = sorted(step for kind, step, _ in entries if kind == "anchor")
     if len(anchors) <= keep:
+        return []
+    oldest_kept = anchors[-keep]
+    return [file for kind, step, file in entries if step < oldest_kept or (kind == "patch" and step == oldest_kept)]
+
+
+def _prune(manifest: Manifest, dest: Store, keep: int) -> int:
+    """Keep the newest `keep` anchors and everything after the oldest of them."""
+    gone = set(_to_prune([(e.kind, e.step, e.file) for e in manifest.entries], keep))
+    if not gone:
         return 0
-    oldest_kept = anchors[-keep].step
-    drop = [e for e in manifest.entries if e.step < oldest_kept or (e.kind == "patch" and e.step == oldest_kept)]
+    drop = [e for e in manifest.entries if e.file in gone]
     manifest.entries = [e for e in manifest.entries if e not in drop]
     dest.save_manifest(manifest)  # first the manifest stops naming them, then they go
     dest.delete([e.file for e in drop])
@@ -286,6 +311,10 @@ def _prune(manifest: Manifest, dest: Store, keep: int) -> int:
 
 def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = False, interval: float = 2.0,
             idle_exit: float | None = None, on_report=None, **kwargs) -> PublishReport:
+    if kwargs.get("dry_run"):
+        if watch:
+            raise UsageError("--dry-run looks once; it does not go with --watch")
+        return publish_once(train_dir, out_dir, **kwargs)
     """`publish_once`, and with `watch` again every `interval` s.
 
     Without `watch`, it still waits (up to ONE_SHOT_WAIT s) for checkpoints

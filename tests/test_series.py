@@ -420,3 +420,30 @@ def test_cli_json_for_publish_plan_and_catch_up(series, tmp_path):
     again = json.loads(subprocess.run([*cli, "publish", str(train), str(pub), "--json", "--settle", "0"],
                                       capture_output=True, check=True).stdout)
     assert again == {"out_dir": str(pub), "patches": 0, "anchors": 0, "pruned": 0, "pending": {}, "skipped": {}}
+
+
+def test_publish_dry_run_writes_nothing_and_lists_what_a_real_run_writes(tmp_path):
+    import json as _json
+    import subprocess
+    import sys
+
+    from ckpt_factory import save_series
+
+    train, out = tmp_path / "train", tmp_path / "out"
+    train.mkdir()
+    save_series(train, 5, seed=3, shape=(32, 16), tensors=2, density=0.02)
+    cli = [sys.executable, "-m", "pulsediff.cli.main", "publish", str(train), str(out), "--settle", "0",
+           "--anchor-every", "2"]
+    dry = subprocess.run(cli + ["--dry-run", "--json"], capture_output=True, text=True, check=True)
+    planned = _json.loads(dry.stdout)["would_write"]
+    assert not out.exists()  # nothing made, not even the folder
+    subprocess.run(cli + ["-q"], check=True)
+    assert sorted(planned) == sorted(p.name for p in out.iterdir() if p.name != "manifest.json")
+    before = sorted(p.name for p in out.iterdir())
+    dry = subprocess.run(cli + ["-n", "--keep", "1", "--json"], capture_output=True, text=True, check=True)
+    would_prune = _json.loads(dry.stdout)["would_prune"]
+    assert sorted(p.name for p in out.iterdir()) == before and would_prune
+    subprocess.run(cli + ["-q", "--keep", "1"], check=True)
+    assert sorted(set(before) - {p.name for p in out.iterdir()}) == sorted(would_prune)
+    watch = subprocess.run(cli + ["-n", "--watch"], capture_output=True, text=True)
+    assert watch.returncode == 2 and "--watch" in watch.stderr

@@ -33,6 +33,8 @@ def publish(
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Judge every checkpoint as a real run would and "
+                       "list the files it would publish (and prune with --keep); make and write nothing.")] = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -47,11 +49,17 @@ def publish(
 
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
                 anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device,
-                pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle)
+                pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, **({"dry_run": True} if dry_run else {}))
     if as_json:
         out.json({"out_dir": str(out_dir), "patches": total.patches, "anchors": total.anchors, "pruned": total.pruned,
-                  "pending": total.pending, "skipped": total.skipped})
+                  "pending": total.pending, "skipped": total.skipped, "dry_run": dry_run,
+                  **({"would_write": total.would_write, "would_prune": total.would_prune} if dry_run else {})})
         return
+    if dry_run:
+        for name in total.would_write:
+            out.line(f"would write {name}")
+        for name in total.would_prune:
+            out.line(f"would prune {name}")
     for name, why in total.skipped.items():
         out.info(f"skipped {name}: {why}")
     for name, why in total.pending.items():
