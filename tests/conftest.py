@@ -12,3 +12,11 @@ on the hardware with NUMBA_ENABLE_CUDASIM=0.
 import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import signal
+
+# A test run started in the background by a non-interactive shell (`cmd &`, nohup) inherits SIGINT
+# ignored, and so would every pulsediff it starts: the Ctrl-C tests would then test nothing but
+# that. A handler here (not SIG_IGN) means children start with the default and install their own.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
