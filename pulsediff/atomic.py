@@ -119,6 +119,9 @@ class StagedFiles:
         """Rename everything into place. Several changes in one existing folder (an in-place apply to a
         sharded checkpoint) are first written down in an intent record there, so that a kill between two
         renames is finished by the next pulsediff run that opens the folder (`finish_interrupted`)."""
+        from .interrupt import check
+
+        check()  # a Ctrl-C that a finalizer swallowed earlier stops us here, before anything is visible
         renames = [(tmp, final) for tmp, final in self._staged if final not in self._folders]
         by_folder: dict[Path, list] = {}
         for tmp, final in renames:

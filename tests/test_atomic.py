@@ -101,3 +101,20 @@ def test_a_writer_that_cannot_get_its_buffer_closes_the_file(tmp_path, monkeypat
         pytest.skip("no /proc/self/fd to count open files")
     assert set(os.listdir("/proc/self/fd")) <= fds
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_swallowed_ctrl_c_still_stops_the_commit(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised inside a finalizer is swallowed by Python; the CLI's handler records it
+    (pulsediff.interrupt) and the commit refuses to make anything visible."""
+    import pytest
+
+    from pulsediff import interrupt
+    from pulsediff.atomic import StagedFiles
+
+    monkeypatch.setattr(interrupt, "_seen", True)
+    with pytest.raises(KeyboardInterrupt):
+        with StagedFiles() as staged:
+            with staged.open(tmp_path / "out") as f:
+                f.write(b"x")
+            staged.commit()
+    assert list(tmp_path.iterdir()) == []

@@ -139,8 +139,15 @@ def _run(argv: list[str] | None) -> int:
     command = typer.main.get_command(app)
     _tidy_help(command)
     debug = os.environ.get("PULSEDIFF_DEBUG") == "1"
+    from .. import interrupt
+
+    interrupt.install()
     try:
-        code = command.main(args=argv, prog_name="pulsediff", standalone_mode=False)
+        try:
+            code = command.main(args=argv, prog_name="pulsediff", standalone_mode=False)
+            interrupt.check()  # a Ctrl-C swallowed by a finalizer on the way still counts
+        finally:
+            interrupt.done()
     except NoArgsIsHelpError:
         return EXIT_USAGE  # the help is printed already
     except ClickException as exc:

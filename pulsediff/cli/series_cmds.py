@@ -52,8 +52,9 @@ def publish(
                 pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, **({"dry_run": True} if dry_run else {}))
     if as_json:
         out.json({"out_dir": str(out_dir), "patches": total.patches, "anchors": total.anchors, "pruned": total.pruned,
-                  "pending": total.pending, "skipped": total.skipped, "dry_run": dry_run,
-                  **({"would_write": total.would_write, "would_prune": total.would_prune} if dry_run else {})})
+                  "pending": total.pending, "skipped": total.skipped,
+                  **({"dry_run": True, "would_write": total.would_write, "would_prune": total.would_prune}
+                     if dry_run else {})})
         return
     if dry_run:
         for name in total.would_write:
