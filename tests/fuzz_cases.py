@@ -1067,33 +1067,10 @@ def output_problem(out: Path, h: dict, blob: bytes | None, sample: Sample, corpu
 
 
 def reshape_tensor(h: dict, name: str, shape: list) -> None:
-    """Give tensor `name` another shape in the header and in its file's layout header alike (data offsets
-    moved, padding redone, layout digest recomputed): a consistent lie about its size."""
-    lay = h["layout"]
-    blob = decompress(lay["section"]["__body__"])
-    pos = first = 0
-    parts = []
-    for f in lay["files"]:
-        raw = blob[pos : pos + f["header_len"]]
-        pos += f["header_len"]
-        records = h["tensors"][first : first + f["tensors"]]
-        first += f["tensors"]
-        if any(t["name"] == name for t in records):
-            header = json.loads(raw)
-            offset = 0
-            for t in records:  # in data order
-                if t["name"] == name:
-                    t["shape"] = list(shape)
-                n = tensor_nbytes(t)
-                header[t["name"]].update(shape=t["shape"], data_offsets=[offset, offset + n])
-                offset += n
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-(8 + len(raw)) % 8)
-            f["header_len"] = len(raw)
-        parts.append(raw)
-    blob = b"".join(parts) + blob[pos:]  # and the index, if any
-    lay["section"]["__body__"] = compress(blob)
-    lay["digest"] = xxhash.xxh3_128_hexdigest(blob)
+    """Give tensor `name` another shape in the header and in its file's layout header alike: a
+    consistent lie about its size."""
+    next(t for t in h["tensors"] if t["name"] == name)["shape"] = list(shape)
+    edit_layout_headers(h, lambda header, records: None)
 
 
 def edit_layout_headers(h: dict, edit) -> None:
@@ -1247,7 +1224,7 @@ def case_header(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) ->
         else:
             major, minor, flags = rng.choice([(1, 0, 0), (1, 2, 0), (1, 65535, 0), (0, 1, 0), (2, 0, 0), (1, 1, 1),
                                               (1, 1, 2**31)])
-        decided(corpus, rng, work, judge, sample, h, forge_frame(frame, major, minor, flags) + sections,
+        feed_patch(corpus, rng, work, judge, sample, h, forge_frame(frame, major, minor, flags) + sections,
                 clean_possible=False)
 
 
@@ -1346,10 +1323,10 @@ ACTIONS = ("stream", "path", "in-place", "chain", "chain-first", "onto-target", 
 
 def run_patch(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, sample: Sample, h, post=None) -> None:
     data = assemble(h, post=post) if isinstance(h, dict) else forge_frame(header_frame(h))
-    decided(corpus, rng, work, judge, sample, h, data, clean_possible=post is None)
+    feed_patch(corpus, rng, work, judge, sample, h, data, clean_possible=post is None)
 
 
-def decided(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, sample: Sample, h, data: bytes,
+def feed_patch(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, sample: Sample, h, data: bytes,
             clean_possible: bool) -> None:
     """Feed a mutated patch to one of the commands that read patches and judge the outcome."""
     from pulsediff import apply_patch
