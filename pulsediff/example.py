@@ -236,11 +236,11 @@ def make_example_series(
     next to each (see `fp32_path_for`). `on_step(done, total, loss)` is called
     after each training step, warm-up and RL steps alike (`total` counts both).
 
-    The defaults (~13.8M parameters) take about a minute on two idle CPU
-    cores (`DEMO_RECIPE` about 11 s); time scales with parameters x batch x
-    seq_len x warmup_steps. On a loaded machine, set OMP_WAIT_POLICY=PASSIVE
-    before torch is imported: OpenMP's spinning threads otherwise make two
-    threads several times slower than one (the demo does this).
+    The defaults (~13.8M parameters) take about 65 s on two idle CPU cores
+    (`DEMO_RECIPE` about 14 s); time scales with parameters x batch x seq_len
+    x warmup_steps. On a busy machine set OMP_WAIT_POLICY=PASSIVE before torch
+    is imported (the demo does): OpenMP's threads spin while they wait, and
+    with the cores shared that made training ~8x slower.
     """
     if steps < 0 or warmup_steps < 0:
         raise ValueError("steps and warmup_steps must be >= 0")

@@ -20,10 +20,11 @@ def demo(
     quiet: Quiet = False,
 ) -> None:
     """Pretrain a small transformer briefly, take one AdamW step at lr 1e-6, then make, apply, verify and show stats."""
-    # OpenMP threads (torch's and Numba's) spin while they wait for work: on a
-    # busy machine that made the demo's training ~8x slower (111 s against 14 s
-    # passive, a 12-minute demo). OpenMP reads the setting when it loads, so it
-    # is set before torch and Numba are imported; the user's own setting wins.
+    # OpenMP threads (torch's and Numba's) spin while they wait for work: with
+    # the two cores shared, that made a 20-step training 112 s against 14 s
+    # passive (the old demo took 3-12 minutes); idle, the two are alike. OpenMP
+    # reads the setting when it loads, so it is set before torch and Numba are
+    # imported; the user's own setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from ..apply import apply_patch
     from ..example import DEMO_RECIPE, make_example_pair
