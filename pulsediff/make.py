@@ -181,11 +181,14 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             # XXH3-128 equality stands for bit equality, as it does for the digests.
             record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash)
         else:
-            positions, values = backend.diff_compact(base.bits, tgt.bits)
-            sparse_cost = positions.size * (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
-            codec, op = (sparse, "patch") if sparse_cost < tgt.bits.nbytes else (full, "full")
-            enc = codec.encode(base.bits, tgt.bits, positions, values, dtype=tgt.dtype, kernels=backend)
-            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, positions.size, tgt_hash,
+            # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
+            max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+            changed, enc = sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
+                                              max_changed=max_changed)
+            codec, op = (sparse, "patch") if enc is not None else (full, "full")
+            if enc is None:
+                enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
                                   base_hash if op == "patch" else None,
                                   write_section(enc.parts, codec.id, enc.params))
         records.append(record)

@@ -39,3 +39,84 @@ def gaps_to_positions_ref(gaps: np.ndarray) -> tuple[np.ndarray, int]:
     signed = gaps.astype(np.int64)  # two's-complement reinterpretation for uint64
     positions = np.cumsum(signed, dtype=np.int64) - 1
     return positions.astype(np.int64), int(np.count_nonzero(signed <= 0))
+
+
+def diff_ranks_ref(old: np.ndarray, new: np.ndarray, shift: int, mask: int):
+    """For each changed element in position order: zigzag(new - old mod 2**width as signed), its
+    class (old >> shift) & mask, its rank among the elements of that class; and the class sizes."""
+    width = old.dtype.itemsize * 8
+    classes_all = [(int(v) >> shift) & mask for v in old.tolist()]
+    seen = [0] * (mask + 1)
+    zigzag, classes, ranks = [], [], []
+    for a, b, c in zip(old.tolist(), new.tolist(), classes_all):
+        if a != b:
+            d = (b - a) % (1 << width)
+            signed = d - (1 << width) if d >= 1 << (width - 1) else d
+            zigzag.append(2 * signed if signed >= 0 else -2 * signed - 1)
+            classes.append(c)
+            ranks.append(seen[c])
+        seen[c] += 1
+    return (np.array(zigzag, np.uint64).astype(old.dtype), np.array(classes, np.uint16), np.array(ranks, np.int64),
+            np.array(seen, np.int64))
+
+
+# -- base-context kernels (codec ctx-rans) -----------------------------------------
+
+
+def classes_ref(base: np.ndarray, shift: int, mask: int) -> list[int]:
+    """Each element's class, (int64(bits) >> shift) & mask, as the kernels define it: 8-byte
+    patterns are read as signed, so the shift is arithmetic (it matters with the top bit set)."""
+    return [(v >> shift) & mask for v in base.astype(np.int64).tolist()]
+
+
+def chunk_class_starts_ref(base: np.ndarray, shift: int, mask: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """starts[r, c]: elements of class c before range r, the ranges being rows pieces of
+    ceil(n / rows) elements (the last ones shorter or empty); and the class sizes."""
+    classes = classes_ref(base, shift, mask)
+    step = -(-len(classes) // rows) if classes else 0
+    starts = np.zeros((rows, mask + 1), np.int64)
+    for r in range(rows):
+        for c in classes[: r * step]:
+            starts[r, c] += 1
+    return starts, np.bincount(np.array(classes, np.int64), minlength=mask + 1).astype(np.int64)
+
+
+def class_ranks_ref(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's rank: how many elements of its class come before it; and the class sizes."""
+    classes = classes_ref(base, shift, mask)
+    seen = [0] * (mask + 1)
+    rank_at = []
+    for c in classes:
+        rank_at.append(seen[c])
+        seen[c] += 1
+    return np.array([rank_at[p] for p in positions.tolist()], np.int64), np.array(seen, np.int64)
+
+
+def apply_ranked_ref(base: np.ndarray, shift: int, mask: int, class_offsets: np.ndarray, ranks: np.ndarray,
+                     deltas: np.ndarray) -> tuple[np.ndarray, int]:
+    """(base with the listed elements changed, how many entries were applied).
+
+    Entry e of class k (class_offsets[k] <= e < class_offsets[k + 1]) names the
+    ranks[e]-th element of class k; its new bits are base + un-zigzag(deltas[e])
+    modulo 2**width. Entries whose rank is not that of an element of the class
+    are not applied. Ranks must ascend strictly within a class (as every decoder
+    makes them): this oracle does not define what other inputs do.
+    """
+    width = base.dtype.itemsize * 8
+    classes = classes_ref(base, shift, mask)
+    members = [[] for _ in range(mask + 1)]
+    for i, c in enumerate(classes):
+        members[c].append(i)
+    out = base.copy()
+    applied = 0
+    for k in range(mask + 1):
+        listed = ranks[class_offsets[k] : class_offsets[k + 1]].tolist()
+        assert all(a < b for a, b in zip(listed, listed[1:])), "ranks must ascend within a class"
+        for e, r in zip(range(class_offsets[k], class_offsets[k + 1]), listed):
+            if 0 <= r < len(members[k]):
+                z = int(deltas[e])
+                delta = (z >> 1) ^ -(z & 1)
+                i = members[k][r]
+                out[i] = (int(base[i]) + delta) % (1 << width)
+                applied += 1
+    return out, applied

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from pulsediff.codecs import entropy
 from pulsediff.kernels import cpu
 
+from reference import diff_ranks_ref
+
 
 # -- references -------------------------------------------------------------------
 
@@ -170,3 +172,102 @@ def test_values_thread_is_made_again_after_a_fork(monkeypatch):
     second = ctx_rans._values_executor()
     assert second is not first
     assert second.submit(lambda: 7).result(timeout=30) == 7
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 1000, 3 * (1 << 16) + 7])
+@pytest.mark.parametrize("dtype,shift,bits", [(np.uint16, 7, 8), (np.uint32, 23, 8), (np.uint64, 52, 11),
+                                              (np.uint8, 0, 0), (np.uint8, 3, 4)])
+def test_diff_ranks_matches_reference(n, dtype, shift, bits):
+    """The fused compare + class ranks of make, against the plain reference; dense ranges take the second read."""
+    rng = np.random.default_rng(n + bits)
+    info = np.iinfo(dtype)
+    mask = (1 << bits) - 1
+    old = rng.integers(0, info.max, n, dtype=dtype, endpoint=True)
+    for density in (0.0, 0.02, 0.3, 1.0):  # 0.3 and 1.0 overflow the 1/32 per-range buffers
+        new = old.copy()
+        hit = rng.random(n) < density
+        new[hit] = rng.integers(0, info.max, int(hit.sum()), dtype=dtype, endpoint=True)
+        if n > 4:  # the extreme deltas: +-1 and the wrap-around
+            new[:4] = old[:4] + np.array([1, info.max, info.max // 2 + 1, info.max // 2], dtype)
+        got = cpu.diff_ranks(old, new, shift, mask)
+        if n <= 1000:
+            want = diff_ranks_ref(old, new, shift, mask)
+        else:  # the quadratic-free parts of the reference, for the large size
+            positions = np.flatnonzero(old != new)
+            want = (None, ((old[positions].astype(np.int64) >> shift) & mask).astype(np.uint16),
+                    cpu.class_ranks(old, shift, mask, positions)[0],
+                    np.bincount((old.astype(np.int64) >> shift) & mask, minlength=mask + 1))
+        for i, (g, w) in enumerate(zip(got, want)):
+            if w is not None:
+                assert g.dtype == w.dtype and np.array_equal(g, w), (i, density)
+        assert got[0].dtype == old.dtype
+
+
+def test_diff_ranks_refuses_mismatched_inputs():
+    with pytest.raises(ValueError):
+        cpu.diff_ranks(np.zeros(4, np.uint16), np.zeros(5, np.uint16), 7, 255)
+    with pytest.raises(ValueError):
+        cpu.diff_ranks(np.zeros(4, np.uint16), np.zeros(4, np.uint32), 7, 255)
+
+
+def ctx_rans_section_ref(base: np.ndarray, target: np.ndarray, dtype) -> bytes:
+    """A ctx-rans section written from FORMAT.md's description, element by element in plain Python."""
+    from pulsediff.codecs.ctx_rans import _MAX_Q_BITS, class_field
+
+    shift, bits = class_field(dtype.name)
+    mask = (1 << bits) - 1
+    zigzag, classes, ranks, _ = diff_ranks_ref(base, target, shift, mask)
+    by_class: dict[int, list[tuple[int, int]]] = {}
+    for z, c, r in zip(zigzag.tolist(), classes.tolist(), ranks.tolist()):
+        by_class.setdefault(c, []).append((r, z))
+
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((value & 0x7F) | (0x80 if value >> 7 else 0))
+            value >>= 7
+            if not value:
+                return bytes(out)
+
+    table, rice_values, rice_ks, deltas = varint(len(by_class)), [], [], []
+    for c in sorted(by_class):
+        gaps = [r - prev - 1 for (r, _), prev in zip(by_class[c], [-1] + [r for r, _ in by_class[c][:-1]])]
+        cost = lambda k: sum(g >> k for g in gaps) + len(gaps) * (k + 1)  # noqa: E731
+        guess = max(0, int(np.log2(float(sum(gaps)) / len(gaps) + 1.0)))
+        k = min((k for k in (guess - 1, guess, guess + 1) if 0 <= k <= 62), key=lambda k: (cost(k), k))
+        k = max(k, max(gaps).bit_length() - _MAX_Q_BITS)
+        table += varint(c) + varint(len(gaps)) + bytes([k])
+        rice_values += gaps
+        rice_ks += [k] * len(gaps)
+        deltas += [z for _, z in by_class[c]]
+    symbols = [min(z, entropy.ESCAPE) for z in deltas]
+    freqs = entropy.quantise_frequencies(np.bincount(np.array(symbols, np.int64), minlength=256))
+    freq_table = varint(int(np.count_nonzero(freqs)))
+    for s in np.flatnonzero(freqs).tolist():
+        freq_table += bytes([s]) + varint(int(freqs[s]))
+    escapes = b"".join(z.to_bytes(base.dtype.itemsize, "little") for z in deltas if z >= entropy.ESCAPE)
+    return (bytes(table) + rice_encode_ref(rice_values, rice_ks) + freq_table
+            + rans_encode_ref(np.array(symbols, np.uint8), freqs) + escapes)
+
+
+@pytest.mark.parametrize("name,dtype,n", [("BF16", np.uint16, 3000), ("F32", np.uint32, 2000),
+                                          ("F8_E4M3", np.uint8, 2500), ("I64", np.uint64, 500)])
+def test_ctx_rans_encoder_matches_plain_reference(name, dtype, n):
+    """Both encoder entries (fused encode_pair, and encode from positions) write the reference's bytes."""
+    from pulsediff.codecs import get_codec
+    from pulsediff.dtypes import DTYPES
+
+    rng = np.random.default_rng(n)
+    base = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+    target = base.copy()
+    hit = rng.random(n) < 0.05
+    target[hit] += rng.integers(1, 4, int(hit.sum())).astype(dtype)
+    target[hit & (rng.random(n) < 0.1)] ^= dtype(0x55)  # some far jumps: escapes
+    codec = get_codec("ctx-rans")
+    expected = ctx_rans_section_ref(base, target, DTYPES[name])
+    changed, enc = codec.encode_pair(base, target, dtype=DTYPES[name], kernels=cpu)
+    assert changed == int((base != target).sum()) and b"".join(enc.parts) == expected
+    positions = np.flatnonzero(base != target).astype(np.int64)
+    enc2 = codec.encode(base, target, positions, target[positions], dtype=DTYPES[name], kernels=cpu)
+    assert b"".join(enc2.parts) == expected
+    assert codec.encode_pair(base, target, dtype=DTYPES[name], kernels=cpu, max_changed=changed - 1) == (changed, None)

@@ -57,6 +57,20 @@ class Codec(ABC):
     def encode(self, base: np.ndarray | None, target: np.ndarray, positions: np.ndarray | None,
                values: np.ndarray | None, dtype=None, kernels: ModuleType | None = None) -> Encoded: ...
 
+    def encode_pair(self, base: np.ndarray, target: np.ndarray, dtype=None, kernels: ModuleType | None = None,
+                    max_changed: int | None = None) -> tuple[int, Encoded | None]:
+        """(changed elements, section) for a base and target of equal shape; section None when
+        more than `max_changed` changed. Codecs that can fuse the compare into their own
+        pass over the pair override this (ctx-rans does)."""
+        if kernels is None:
+            from ..kernels import get_backend
+
+            kernels = get_backend("cpu")
+        positions, values = kernels.diff_compact(base, target)
+        if max_changed is not None and positions.size > max_changed:
+            return positions.size, None
+        return positions.size, self.encode(base, target, positions, values, dtype=dtype, kernels=kernels)
+
     @abstractmethod
     def decode(self, base: np.ndarray | None, payload: bytes, params: dict, ctx: SectionContext,
                kernels: ModuleType, scratch: "Scratch") -> np.ndarray:

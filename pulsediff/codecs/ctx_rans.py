@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from types import ModuleType
 
 import numpy as np
+from numba import njit
 
 from ..errors import CorruptPatchError
 from . import entropy
@@ -117,6 +118,104 @@ class _Reader:
 # -- kernels local to this codec ----------------------------------------------
 
 
+@njit(cache=True, nogil=True)
+def _class_major(classes, ranks, zigzag, ncls):
+    """Regroup the changed elements class by class (a stable counting sort).
+
+    In: per changed element in position order, its class, its rank within the
+    class (ascending within each class) and its zigzag delta. Out: elements
+    per class, the Rice values (rank gap - 1) and the zigzag deltas in
+    class-major order.
+    """
+    m = classes.size
+    counts = np.zeros(ncls, np.int64)
+    for i in range(m):
+        counts[classes[i]] += 1
+    ptr = np.zeros(ncls, np.int64)
+    for c in range(1, ncls):
+        ptr[c] = ptr[c - 1] + counts[c - 1]
+    last = np.full(ncls, -1, np.int64)
+    gaps = np.empty(m, np.uint64)
+    deltas = np.empty(m, zigzag.dtype)
+    for i in range(m):
+        c = classes[i]
+        p = ptr[c]
+        r = ranks[i]
+        gaps[p] = np.uint64(r - last[c] - 1)
+        last[c] = r
+        deltas[p] = zigzag[i]
+        ptr[c] = p + 1
+    return counts, gaps, deltas
+
+
+@njit(cache=True, nogil=True)
+def _rice_cost(values, lo, hi, k):
+    total = np.uint64(0)
+    kk = np.uint64(k)
+    for i in range(lo, hi):
+        total += values[i] >> kk
+    return total + np.uint64((hi - lo) * (k + 1))
+
+
+@njit(cache=True, nogil=True)
+def _rice_parameters(gaps, counts):
+    """Per group: the Rice parameter with the fewest bits, searched around log2 of the
+    mean (ties: the smaller k), then raised so that no unary run exceeds _MAX_Q_BITS
+    bits (the decoder refuses longer ones). Returns (ks, total bits)."""
+    ks = np.zeros(counts.size, np.int64)
+    bits = np.uint64(0)
+    lo = 0
+    for g in range(counts.size):
+        hi = lo + counts[g]
+        if hi > lo:
+            total = np.uint64(0)
+            largest = np.uint64(0)
+            for i in range(lo, hi):
+                total += gaps[i]
+                largest = max(largest, gaps[i])
+            guess = max(0, int(np.log2(np.float64(total) / (hi - lo) + 1.0)))
+            best_k = -1
+            best = np.uint64(0)
+            for k in range(max(0, guess - 1), min(62, guess + 1) + 1):
+                cost = _rice_cost(gaps, lo, hi, k)
+                if best_k < 0 or cost < best:
+                    best_k, best = k, cost
+            length = 0
+            while largest >> np.uint64(length):
+                length += 1
+            if length - _MAX_Q_BITS > best_k:
+                best_k = length - _MAX_Q_BITS
+                best = _rice_cost(gaps, lo, hi, best_k)
+            ks[g] = best_k
+            bits += best
+        lo = hi
+    return ks, bits
+
+
+@njit(cache=True, nogil=True)
+def _symbols(deltas, escape):
+    """rANS symbols min(delta, escape), their counts, and the escaped deltas in order."""
+    m = deltas.size
+    esc = np.uint64(escape)
+    symbols = np.empty(m, np.uint8)
+    counts = np.zeros(256, np.int64)
+    n_escapes = 0
+    for i in range(m):
+        z = np.uint64(deltas[i])
+        s = esc if z >= esc else z
+        symbols[i] = np.uint8(s)
+        counts[np.int64(s)] += 1
+        if z >= esc:
+            n_escapes += 1
+    escapes = np.empty(n_escapes, deltas.dtype)
+    j = 0
+    for i in range(m):
+        if symbols[i] == escape:
+            escapes[j] = deltas[i]
+            j += 1
+    return symbols, counts, escapes
+
+
 def _zigzag_deltas(base_at: np.ndarray, values: np.ndarray, width_bits: int) -> np.ndarray:
     d = values.astype(np.uint64) - base_at.astype(np.uint64)  # wraps modulo 2**64
     if width_bits < 64:
@@ -139,60 +238,23 @@ class CtxRans(Codec):
             kernels = get_backend("cpu")
         shift, bits = class_field(dtype.name if dtype is not None else "")
         mask = (1 << bits) - 1
-        width = base.dtype.itemsize * 8
+        ranks, _ = kernels.class_ranks(base, shift, mask, positions)
         base_at = base[positions]
-        ranks, sizes = kernels.class_ranks(base, shift, mask, positions)
-        classes = (base_at.astype(np.int64) >> shift) & mask
-        order = kernels.class_major_order(classes, mask + 1)
-        classes, ranks = classes[order], ranks[order]
-        zigzag = _zigzag_deltas(base_at[order], values[order], width)
+        classes = ((base_at.astype(np.int64) >> shift) & mask).astype(np.uint16)
+        zigzag = _zigzag_deltas(base_at, values, base.dtype.itemsize * 8).astype(base.dtype)
+        return _encode_ranked(classes, ranks, zigzag, shift, bits)
 
-        listed, counts = np.unique(classes, return_counts=True)
-        starts = np.zeros(listed.size, np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        prev = np.empty_like(ranks)
-        prev[1:] = ranks[:-1]
-        prev[starts] = -1
-        rice_vals = (ranks - prev - 1).astype(np.uint64)
+    def encode_pair(self, base, target, dtype=None, kernels=None, max_changed=None):
+        """Compare and encode in one read of the pair (kernels.diff_ranks)."""
+        if kernels is None:
+            from ..kernels import get_backend
 
-        ks = np.empty(listed.size, np.int64)
-        table = bytearray()
-        _put_varint(table, int(listed.size))
-        for m, (cls, n, s) in enumerate(zip(listed, counts, starts)):
-            part = rice_vals[s : s + n]
-            k = entropy.best_rice_k(part)
-            k = max(k, int(part.max()).bit_length() - _MAX_Q_BITS)  # keep unary runs short
-            ks[m] = k
-            _put_varint(table, int(cls))
-            _put_varint(table, int(n))
-            table.append(k)
-        rice_bits = sum(entropy.rice_cost(rice_vals[s : s + n], int(k)) for s, n, k in zip(starts, counts, ks))
-        rice_buf = np.zeros((rice_bits + 7) // 8 + 8, np.uint8)
-        used = entropy.rice_encode(rice_vals, ks, counts.astype(np.int64), rice_buf)
-        positions_bytes = rice_buf[:used].tobytes()
-
-        symbols = np.minimum(zigzag, np.uint64(entropy.ESCAPE)).astype(np.uint8)
-        escapes = zigzag[symbols == entropy.ESCAPE]
-        freqs = entropy.quantise_frequencies(np.bincount(symbols, minlength=256))
-        cums, _ = entropy.rans_tables(freqs)
-        freq_table = bytearray()
-        present = np.flatnonzero(freqs)
-        _put_varint(freq_table, int(present.size))
-        for s in present:
-            freq_table.append(int(s))
-            _put_varint(freq_table, int(freqs[s]))
-        rans_buf = np.empty(2 * symbols.size + 16, np.uint8)
-        start = entropy.rans_encode(symbols, freqs, cums, rans_buf)
-        rans_bytes = rans_buf[start:].tobytes()
-        escape_bytes = escapes.astype(f"<u{base.dtype.itemsize}").tobytes()
-
-        params = {
-            "count": int(positions.size), "class_shift": shift, "class_bits": bits,
-            "table_bytes": len(table), "position_bytes": len(positions_bytes),
-            "frequency_bytes": len(freq_table), "value_bytes": len(rans_bytes), "escapes": int(escapes.size),
-        }
-        parts = (bytes(table), positions_bytes, bytes(freq_table), rans_bytes, escape_bytes)
-        return Encoded(parts, params, index_bytes=len(table) + len(positions_bytes))
+            kernels = get_backend("cpu")
+        shift, bits = class_field(dtype.name if dtype is not None else "")
+        zigzag, classes, ranks, _ = kernels.diff_ranks(base, target, shift, (1 << bits) - 1)
+        if max_changed is not None and zigzag.size > max_changed:
+            return zigzag.size, None
+        return zigzag.size, _encode_ranked(classes, ranks, zigzag, shift, bits)
 
     def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
         count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = _split(payload, params, ctx)
@@ -257,6 +319,43 @@ class CtxRans(Codec):
     def index_bytes(self, params):
         table, positions = uint_param(params, "table_bytes"), uint_param(params, "position_bytes")
         return -1 if min(table, positions) < 0 else table + positions
+
+
+def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, shift: int, bits: int) -> Encoded:
+    """The section for changed elements given (in position order) by class, rank in class and zigzag delta."""
+    count = classes.size
+    counts, gaps, deltas = _class_major(classes, ranks, zigzag, 1 << bits)
+    listed = np.flatnonzero(counts)
+    counts = counts[listed]
+    ks, rice_bits = _rice_parameters(gaps, counts)
+    table = bytearray()
+    _put_varint(table, int(listed.size))
+    for cls, n, k in zip(listed.tolist(), counts.tolist(), ks.tolist()):
+        _put_varint(table, cls)
+        _put_varint(table, n)
+        table.append(k)
+    rice_buf = np.zeros((int(rice_bits) + 7) // 8 + 8, np.uint8)
+    used = entropy.rice_encode(gaps, ks, counts, rice_buf)
+
+    symbols, symbol_counts, escapes = _symbols(deltas, entropy.ESCAPE)
+    freqs = entropy.quantise_frequencies(symbol_counts)
+    cums, _ = entropy.rans_tables(freqs)
+    freq_table = bytearray()
+    present = np.flatnonzero(freqs)
+    _put_varint(freq_table, int(present.size))
+    for s in present.tolist():
+        freq_table.append(s)
+        _put_varint(freq_table, int(freqs[s]))
+    rans_buf = np.empty(2 * count + 16, np.uint8)
+    start = entropy.rans_encode(symbols, freqs, cums, rans_buf)
+    parts = (bytes(table), rice_buf[:used].tobytes(), bytes(freq_table), rans_buf[start:].tobytes(),
+             escapes.astype(f"<u{zigzag.dtype.itemsize}").tobytes())
+    params = {
+        "count": count, "class_shift": shift, "class_bits": bits,
+        "table_bytes": len(parts[0]), "position_bytes": len(parts[1]),
+        "frequency_bytes": len(parts[2]), "value_bytes": len(parts[3]), "escapes": int(escapes.size),
+    }
+    return Encoded(parts, params, index_bytes=len(parts[0]) + len(parts[1]))
 
 
 def _split(payload: bytes, params: dict, ctx: SectionContext):

@@ -53,6 +53,11 @@ class Backend(Protocol):
                      out: "np.ndarray") -> int:
         """out = base with zigzag deltas added at the listed (class, rank) elements; returns how many applied."""
 
+    def diff_ranks(self, old: "np.ndarray", new: "np.ndarray", shift: int,
+                   mask: int) -> "tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]":
+        """make's compare fused with class_ranks: per changed element in position order, the
+        zigzag delta (old's dtype), base class (uint16) and rank in class (int64); class sizes."""
+
     def class_major_order(self, classes: "np.ndarray", ncls: int) -> "np.ndarray":
         """The stable permutation grouping indices by class."""
 

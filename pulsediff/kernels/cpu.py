@@ -1,84 +1,81 @@
-"""CPU kernels: Numba `@njit(parallel=True)`, one chunk of the tensor per thread.
+"""CPU kernels: serial Numba kernels over ranges of a tensor, run in parallel on worker threads.
 
-Both kernels work on bit patterns (unsigned integers of the element's width),
-never on floating-point values. `tests/reference.py` holds the plain NumPy
-oracle they are checked against.
+Every kernel is a `@njit(nogil=True)` function over one range [lo, hi) of a
+tensor; `threads.parallel_map` runs the ranges of a tensor on the worker
+threads with the GIL released (threads.py says why this and not Numba's own
+`parallel=True`). Kernels work on bit patterns (unsigned integers of the
+element's width), never on floating-point values. `tests/reference.py` holds
+the plain NumPy oracle they are checked against, bit for bit.
 
-Stream compaction (mask -> positions + values) is the classic two-pass scheme
-(count per chunk, exclusive prefix sum, write), made single-pass in the common
-case: each chunk first writes speculatively into its own slot of a buffer
-sized for a density of 1/16, counting as it goes; when every chunk fits, the
-slots are concatenated and the input was read once. Only a chunk denser than
-that (rare at RL learning rates) sends the tensor through the second pass,
-which reuses the counts. Chunks are contiguous, so positions come out in
-ascending order with no sort.
+Stream compaction (mask -> positions + values) is the classic count / scan /
+write scheme made single-pass in the common case: each range writes into its
+own buffer sized for a density of 1/32 and counts as it goes; only a range
+denser than that (rare at RL learning rates) is read a second time into a
+buffer of the counted size. Ranges are contiguous and concatenated in order,
+so positions come out ascending with no sort.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-# Chunks per thread: more than one evens out the load when some chunks are
-# denser than others; each is still long enough to amortise the loop setup.
-_CHUNKS_PER_THREAD = 8
+from .threads import num_threads, parallel_map
+
+# A tensor is cut into at least this many ranges per thread (so a thread the OS
+# slows down simply takes fewer of them), each at least _MIN_CHUNK elements
+# (to amortise a task's ~20 us) and at most _MAX_CHUNK (so ranks inside a
+# range fit 32 bits and per-range buffers stay small).
+_CHUNKS_PER_THREAD = 4
 _MIN_CHUNK = 1 << 16
+_MAX_CHUNK = 1 << 24
+# Per-range output buffers hold 1/_SLOT_FRACTION of the range: 3% density (RL
+# steps are ~1%) before a range needs its second read.
+_SLOT_FRACTION = 32
 
 
-def _num_chunks(n: int) -> int:
-    return max(1, min(numba.get_num_threads() * _CHUNKS_PER_THREAD, n // _MIN_CHUNK))
+def chunk_count(n: int) -> int:
+    """How many ranges a tensor of n elements is cut into."""
+    want = max(num_threads() * _CHUNKS_PER_THREAD, -(-n // _MAX_CHUNK))
+    return max(1, min(want, n // _MIN_CHUNK))
 
 
-# Slot capacity per chunk, as a fraction of its length: 1/16 covers densities up
-# to 6.25% (RL steps are ~1%) for a buffer of ~n/16 positions and values.
-_SLOT_FRACTION = 16
+def chunk_ranges(n: int, nchunks: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each of nchunks equal ranges (the last ones may be shorter or empty)."""
+    step = -(-n // nchunks) if nchunks else 0
+    return [(min(n, c * step), min(n, (c + 1) * step)) for c in range(nchunks)]
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _compact_into_slots(old, new, nchunks, cap, slot_positions, slot_values):
-    n = old.size
-    step = (n + nchunks - 1) // nchunks
-    counts = np.zeros(nchunks, np.int64)
-    for c in prange(nchunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        base = c * cap
-        k = 0
-        for i in range(lo, hi):
-            if old[i] != new[i]:
-                if k < cap:
-                    slot_positions[base + k] = i
-                    slot_values[base + k] = new[i]
-                k += 1
-        counts[c] = k
-    return counts
+def _slot_capacity(length: int) -> int:
+    return max(16, length // _SLOT_FRACTION)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _gather_slots(counts, offsets, cap, slot_positions, slot_values, positions, values):
-    for c in prange(counts.size):
-        src = c * cap
-        dst = offsets[c]
-        for k in range(counts[c]):
-            positions[dst + k] = slot_positions[src + k]
-            values[dst + k] = slot_values[src + k]
+# -- compare and compact ----------------------------------------------------------
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _write_changed(old, new, offsets, positions, values):
-    n = old.size
-    nchunks = offsets.size
-    step = (n + nchunks - 1) // nchunks
-    for c in prange(nchunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        j = offsets[c]
-        for i in range(lo, hi):
-            if old[i] != new[i]:
-                positions[j] = i
-                values[j] = new[i]
-                j += 1
+@njit(cache=True, nogil=True)
+def _compact_range(old, new, lo, hi, positions, values):
+    # Writes at most positions.size entries, counts them all: a caller seeing a
+    # count above its buffer's size reads the range again into a bigger one.
+    cap = positions.size
+    k = 0
+    for i in range(lo, hi):
+        if old[i] != new[i]:
+            if k < cap:
+                positions[k] = i
+                values[k] = new[i]
+            k += 1
+    return k
+
+
+def _compact_chunk(old, new, lo, hi):
+    positions = np.empty(_slot_capacity(hi - lo), np.int64)
+    values = np.empty(positions.size, new.dtype)
+    k = _compact_range(old, new, lo, hi, positions, values)
+    if k > positions.size:
+        positions, values = np.empty(k, np.int64), np.empty(k, new.dtype)
+        _compact_range(old, new, lo, hi, positions, values)
+    return positions[:k], values[:k]
 
 
 def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -88,33 +85,20 @@ def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
         raise ValueError("diff_compact needs arrays of equal length")  # @njit does no bounds checks
     if n == 0:
         return np.empty(0, np.int64), np.empty(0, new.dtype)
-    nchunks = _num_chunks(n)
-    step = (n + nchunks - 1) // nchunks
-    cap = max(16, step // _SLOT_FRACTION)
-    slot_positions = np.empty(nchunks * cap, np.int64)
-    slot_values = np.empty(nchunks * cap, new.dtype)
-    counts = _compact_into_slots(old, new, nchunks, cap, slot_positions, slot_values)
-    offsets = np.zeros(nchunks, np.int64)
-    np.cumsum(counts[:-1], out=offsets[1:])
-    total = int(counts.sum())
-    positions = np.empty(total, np.int64)
-    values = np.empty(total, new.dtype)
-    if total == 0:
-        return positions, values
-    if counts.max() <= cap:
-        _gather_slots(counts, offsets, cap, slot_positions, slot_values, positions, values)
-    else:
-        _write_changed(old, new, offsets, positions, values)  # the counts are already known
-    return positions, values
+    parts = parallel_map(_compact_chunk, [(old, new, lo, hi) for lo, hi in chunk_ranges(n, chunk_count(n))])
+    return np.concatenate([p for p, _ in parts]), np.concatenate([v for _, v in parts])
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _scatter(out, positions, values):
+# -- scatter and prefix sums ---------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _scatter_range(out, positions, values, lo, hi):
     # Returns how many positions fall outside `out`; those are skipped, never written,
     # because a hostile patch must not be able to write past the buffer.
     n = out.size
     bad = 0
-    for k in prange(positions.size):
+    for k in range(lo, hi):
         p = positions[k]
         if p >= 0 and p < n:
             out[p] = values[k]
@@ -131,63 +115,53 @@ def scatter(out: np.ndarray, positions: np.ndarray, values: np.ndarray) -> int:
     """
     if values.size != positions.size:
         raise ValueError("scatter needs as many values as positions")  # @njit does no bounds checks
-    if positions.size == 0:
+    m = positions.size
+    if m == 0:
         return 0
-    return int(_scatter(out, positions, values))
+    ranges = chunk_ranges(m, chunk_count(m))
+    return int(sum(parallel_map(_scatter_range, [(out, positions, values, lo, hi) for lo, hi in ranges])))
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _chunk_sums(gaps, nchunks):
-    n = gaps.size
-    step = (n + nchunks - 1) // nchunks
-    sums = np.zeros(nchunks, np.int64)
-    for c in prange(nchunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        s = 0
-        for i in range(lo, hi):
-            s += np.int64(gaps[i])
-        sums[c] = s
-    return sums
+@njit(cache=True, nogil=True)
+def _sum_range(gaps, lo, hi):
+    s = 0
+    for i in range(lo, hi):
+        s += np.int64(gaps[i])
+    return s
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _gaps_to_positions(gaps, starts, positions):
+@njit(cache=True, nogil=True)
+def _gaps_to_positions_range(gaps, lo, hi, start, positions):
     # Every gap is at least 1 (positions strictly increase, the first counts from -1).
     # Count the gaps that break that so the caller can reject the patch.
-    n = gaps.size
-    nchunks = starts.size
-    step = (n + nchunks - 1) // nchunks
     bad = 0
-    for c in prange(nchunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        p = starts[c]
-        for i in range(lo, hi):
-            g = np.int64(gaps[i])
-            if g <= 0:
-                bad += 1
-            p += g
-            positions[i] = p
+    p = start
+    for i in range(lo, hi):
+        g = np.int64(gaps[i])
+        if g <= 0:
+            bad += 1
+        p += g
+        positions[i] = p
     return bad
 
 
 def gaps_to_positions(gaps: np.ndarray) -> tuple[np.ndarray, int]:
     """position[i] = sum(gaps[:i+1]) - 1, by a parallel scan.
 
-    Per-chunk sums, an exclusive scan of those, then a running sum in each
-    chunk. Returns (positions, number of gaps that are not >= 1).
+    Per-range sums, an exclusive scan of those, then a running sum in each
+    range. Returns (positions, number of gaps that are not >= 1).
     """
     n = gaps.size
     if n == 0:
         return np.empty(0, np.int64), 0
-    nchunks = _num_chunks(n)
-    sums = _chunk_sums(gaps, nchunks)
-    starts = np.full(nchunks, -1, np.int64)
-    starts[1:] += np.cumsum(sums[:-1])
+    ranges = chunk_ranges(n, chunk_count(n))
+    sums = parallel_map(_sum_range, [(gaps, lo, hi) for lo, hi in ranges])
+    starts = np.full(len(ranges), -1, np.int64)
+    starts[1:] += np.cumsum(np.array(sums[:-1], np.int64))
     positions = np.empty(n, np.int64)
-    bad = _gaps_to_positions(gaps, starts, positions)
-    return positions, int(bad)
+    bad = parallel_map(_gaps_to_positions_range,
+                       [(gaps, lo, hi, int(s), positions) for (lo, hi), s in zip(ranges, starts)])
+    return positions, int(sum(bad))
 
 
 # -- base-context kernels (codec ctx-rans) ------------------------------------
@@ -195,138 +169,212 @@ def gaps_to_positions(gaps: np.ndarray) -> tuple[np.ndarray, int]:
 # An element's *class* is a few bits of its base value, (bits >> shift) & mask
 # (the exponent, for floats): the receiver knows it before decoding anything.
 # Positions are coded as ranks inside a class: rank = how many base elements of
-# the same class come before it. Both directions are a chunked scan: per-chunk
-# class histograms, an exclusive scan over chunks, then a walk of each chunk
+# the same class come before it. Both directions are a chunked scan: per-range
+# class histograms, an exclusive scan over ranges, then a walk of each range
 # with running per-class counters.
+#
+# Histograms count into four interleaved sub-tables: neighbouring weights mostly
+# share an exponent, and one counter would serialise on its own store-to-load
+# latency. The running count of class c before element i is the sum of the four.
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _class_histograms(base, shift, mask, nchunks):
-    # Four interleaved sub-histograms: neighbouring weights mostly share an
-    # exponent, and one counter would serialise on its own store-to-load latency.
-    n = base.size
-    step = (n + nchunks - 1) // nchunks
+@njit(cache=True, nogil=True)
+def _class_histogram_range(base, lo, hi, shift, mask, hist):
     ncls = mask + 1
-    hist = np.zeros((nchunks, ncls), np.int64)
-    for c in prange(nchunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        sub = np.zeros((4, ncls), np.int64)
-        i = lo
-        while i + 4 <= hi:
-            sub[0, (np.int64(base[i]) >> shift) & mask] += 1
-            sub[1, (np.int64(base[i + 1]) >> shift) & mask] += 1
-            sub[2, (np.int64(base[i + 2]) >> shift) & mask] += 1
-            sub[3, (np.int64(base[i + 3]) >> shift) & mask] += 1
-            i += 4
-        while i < hi:
-            sub[0, (np.int64(base[i]) >> shift) & mask] += 1
-            i += 1
-        for k in range(ncls):
-            hist[c, k] = sub[0, k] + sub[1, k] + sub[2, k] + sub[3, k]
-    return hist
+    sub = np.zeros((4, ncls), np.int64)
+    i = lo
+    while i + 4 <= hi:
+        sub[0, (np.int64(base[i]) >> shift) & mask] += 1
+        sub[1, (np.int64(base[i + 1]) >> shift) & mask] += 1
+        sub[2, (np.int64(base[i + 2]) >> shift) & mask] += 1
+        sub[3, (np.int64(base[i + 3]) >> shift) & mask] += 1
+        i += 4
+    while i < hi:
+        sub[0, (np.int64(base[i]) >> shift) & mask] += 1
+        i += 1
+    for k in range(ncls):
+        hist[k] = sub[0, k] + sub[1, k] + sub[2, k] + sub[3, k]
+
+
+def _exclusive_scan_rows(hist: np.ndarray) -> np.ndarray:
+    starts = np.zeros_like(hist)
+    np.cumsum(hist[:-1], axis=0, out=starts[1:])
+    return starts
 
 
 def chunk_class_starts(base: np.ndarray, shift: int, mask: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts[chunk, class]: elements of that class before the chunk, sizes[class])."""
-    hist = _class_histograms(base, shift, mask, _num_chunks(base.size))
-    starts = np.zeros_like(hist)
-    np.cumsum(hist[:-1], axis=0, out=starts[1:])
-    return starts, hist.sum(axis=0)
+    """(starts[range, class]: elements of that class before the range, sizes[class]).
 
-
-@njit(parallel=True, cache=True, nogil=True)
-def _local_class_ranks(base, shift, mask, positions, nchunks, ranks, chunk_of):
-    # One pass: ranks counted from the chunk's start, and the chunk's histogram.
+    The number of rows fixes how `apply_ranked` cuts the tensor into ranges.
+    """
     n = base.size
-    step = (n + nchunks - 1) // nchunks
-    hist = np.zeros((nchunks, mask + 1), np.int64)
-    for c in prange(nchunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        counter = hist[c]
-        j = np.searchsorted(positions, lo)
-        nxt = positions[j] if j < positions.size else n
-        for i in range(lo, hi):
-            cls = (np.int64(base[i]) >> shift) & mask
-            r = counter[cls]
-            counter[cls] = r + 1
-            if i == nxt:
-                ranks[j] = r
-                chunk_of[j] = c
-                j += 1
-                nxt = positions[j] if j < positions.size else n
-    return hist
+    ranges = chunk_ranges(n, chunk_count(n))
+    hist = np.zeros((len(ranges), mask + 1), np.int64)
+    parallel_map(_class_histogram_range, [(base, lo, hi, shift, mask, hist[c]) for c, (lo, hi) in enumerate(ranges)])
+    return _exclusive_scan_rows(hist), hist.sum(axis=0)
+
+
+@njit(cache=True, nogil=True)
+def _local_ranks_range(base, lo, hi, shift, mask, positions, j, ranks, hist):
+    # Ranks counted from the range's start, for the ascending positions from
+    # index j on that fall in the range; and the range's histogram.
+    n_pos = positions.size
+    nxt = positions[j] if j < n_pos else hi
+    for i in range(lo, hi):
+        cls = (np.int64(base[i]) >> shift) & mask
+        r = hist[cls]
+        hist[cls] = r + 1
+        if i == nxt:
+            ranks[j] = r
+            j += 1
+            nxt = positions[j] if j < n_pos else hi
 
 
 def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per changed position (ascending): its rank within its class. Also returns class sizes.
-
-    Ranks are counted from each chunk's start in the same pass that builds the
-    chunk histograms; adding the scanned histograms of earlier chunks makes them global.
-    """
-    nchunks = _num_chunks(base.size)
+    """Per changed position (ascending, in range): its rank within its class. Also returns class sizes."""
+    n = base.size
+    ranges = chunk_ranges(n, chunk_count(n))
+    hist = np.zeros((len(ranges), mask + 1), np.int64)
     ranks = np.zeros(positions.size, np.int64)
-    chunk_of = np.zeros(positions.size, np.int64)
-    hist = _local_class_ranks(base, shift, mask, positions, nchunks, ranks, chunk_of)
-    starts = np.zeros_like(hist)
-    np.cumsum(hist[:-1], axis=0, out=starts[1:])
+    firsts = np.searchsorted(positions, [lo for lo, _ in ranges] + [n])
+    parallel_map(_local_ranks_range, [(base, lo, hi, shift, mask, positions, int(firsts[c]), ranks, hist[c])
+                                      for c, (lo, hi) in enumerate(ranges)])
     if positions.size:
+        starts = _exclusive_scan_rows(hist)
         classes = (base[positions].astype(np.int64) >> shift) & mask
+        chunk_of = np.repeat(np.arange(len(ranges)), np.diff(firsts))
         ranks += starts[chunk_of, classes]
     return ranks, hist.sum(axis=0)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out, in_place):
+@njit(cache=True, nogil=True)
+def _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist):
+    # Compare, class histogram and class ranks in one read of the pair. Writes
+    # at most zigzag.size entries and counts them all (like _compact_range).
+    # The difference of bit patterns, new - old modulo 2**width read as signed,
+    # is stored zigzag-mapped (0, -1, 1, -2 -> 0, 1, 2, 3): a width-bit value.
+    ncls = mask + 1
+    width = old.itemsize * 8
+    wmask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    top = np.uint64(width - 1)
+    one = np.uint64(1)
+    cap = zigzag.size
+    sub = np.zeros((4, ncls), np.int64)
+    k = 0
+    i = lo
+    while i < hi:
+        if i + 4 <= hi and old[i] == new[i] and old[i + 1] == new[i + 1] and old[i + 2] == new[i + 2] \
+                and old[i + 3] == new[i + 3]:
+            sub[0, (np.int64(old[i]) >> shift) & mask] += 1
+            sub[1, (np.int64(old[i + 1]) >> shift) & mask] += 1
+            sub[2, (np.int64(old[i + 2]) >> shift) & mask] += 1
+            sub[3, (np.int64(old[i + 3]) >> shift) & mask] += 1
+            i += 4
+            continue
+        # A group of four with a change (or the tail): element by element, same lanes.
+        end = min(i + 4, hi)
+        lane = 0
+        while i < end:
+            a = old[i]
+            b = new[i]
+            c = (np.int64(a) >> shift) & mask
+            if a != b:
+                if k < cap:
+                    d = (np.uint64(b) - np.uint64(a)) & wmask
+                    zigzag[k] = ((d << one) ^ (np.uint64(0) - (d >> top))) & wmask
+                    classes[k] = c
+                    ranks[k] = sub[0, c] + sub[1, c] + sub[2, c] + sub[3, c]
+                k += 1
+            sub[lane, c] += 1
+            lane += 1
+            i += 1
+    for c in range(ncls):
+        hist[c] = sub[0, c] + sub[1, c] + sub[2, c] + sub[3, c]
+    return k
+
+
+def _diff_ranks_chunk(old, new, lo, hi, shift, mask, hist):
+    cap = _slot_capacity(hi - lo)
+    while True:
+        zigzag, classes, ranks = np.empty(cap, old.dtype), np.empty(cap, np.uint16), np.empty(cap, np.int64)
+        k = _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist)
+        if k <= cap:
+            return zigzag[:k], classes[:k], ranks[:k]
+        cap = k  # denser than the buffer: read the range again into one of the counted size
+
+
+def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
+               mask: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """In one read of the pair, for each element whose bits differ (in position order):
+    the zigzag-mapped difference new - old (old's dtype), its base class (uint16)
+    and its rank within that class (int64); and the class sizes."""
+    n = old.size
+    if new.size != n or old.dtype != new.dtype:
+        raise ValueError("diff_ranks needs arrays of equal length and dtype")  # @njit does no bounds checks
+    if not 0 <= mask < (1 << 16):
+        raise ValueError("diff_ranks needs a class mask below 2**16")
+    ranges = chunk_ranges(n, chunk_count(n)) if n else []
+    hist = np.zeros((max(1, len(ranges)), mask + 1), np.int64)
+    parts = parallel_map(_diff_ranks_chunk, [(old, new, lo, hi, shift, mask, hist[c])
+                                             for c, (lo, hi) in enumerate(ranges)])
+    starts = _exclusive_scan_rows(hist)
+    for c, (_, classes, ranks) in enumerate(parts):
+        if ranks.size and c:
+            ranks += starts[c][classes]
+    if not parts:
+        return np.empty(0, old.dtype), np.empty(0, np.uint16), np.empty(0, np.int64), hist.sum(axis=0)
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]), hist.sum(axis=0))
+
+
+@njit(cache=True, nogil=True)
+def _apply_ranked_range(base, lo, hi, shift, mask, counter, class_offsets, ranks, deltas, out, in_place):
     # Into another buffer, every element of `out` is written (the copy of the base
     # rides along with the walk instead of being a pass of its own); in place, only
     # the changed ones (rewriting the rest would double the memory traffic).
-    n = base.size
-    nchunks = starts.shape[0]
-    step = (n + nchunks - 1) // nchunks
     ncls = mask + 1
-    applied = np.zeros(nchunks, np.int64)
-    for c in prange(nchunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        counter = starts[c].copy()
-        ptr = np.empty(ncls, np.int64)
-        nxt = np.empty(ncls, np.int64)  # rank of the next listed element of each class, -1 if none
-        for k in range(ncls):
-            a = class_offsets[k]
-            b = class_offsets[k + 1]
-            ptr[k] = a + np.searchsorted(ranks[a:b], counter[k])
-            nxt[k] = ranks[ptr[k]] if ptr[k] < b else -1
-        done = 0
-        for i in range(lo, hi):
-            v = base[i]
-            cls = (np.int64(v) >> shift) & mask
-            r = counter[cls]
-            counter[cls] = r + 1
-            if r == nxt[cls]:
-                p = ptr[cls]
-                z = np.uint64(deltas[p])
-                d = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))  # un-zigzag, mod 2**64
-                v = v + d  # wraps modulo 2**width: exact integer arithmetic on bit patterns
-                p += 1
-                ptr[cls] = p
-                nxt[cls] = ranks[p] if p < class_offsets[cls + 1] else -1
-                done += 1
-                out[i] = v
-            elif not in_place:
-                out[i] = v
-        applied[c] = done
-    return applied.sum()
+    ptr = np.empty(ncls, np.int64)
+    nxt = np.empty(ncls, np.int64)  # rank of the next listed element of each class, -1 if none
+    for k in range(ncls):
+        a = class_offsets[k]
+        b = class_offsets[k + 1]
+        ptr[k] = a + np.searchsorted(ranks[a:b], counter[k])
+        nxt[k] = ranks[ptr[k]] if ptr[k] < b else -1
+    done = 0
+    for i in range(lo, hi):
+        v = base[i]
+        cls = (np.int64(v) >> shift) & mask
+        r = counter[cls]
+        counter[cls] = r + 1
+        if r == nxt[cls]:
+            p = ptr[cls]
+            z = np.uint64(deltas[p])
+            d = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))  # un-zigzag, mod 2**64
+            v = v + d  # wraps modulo 2**width: exact integer arithmetic on bit patterns
+            p += 1
+            ptr[cls] = p
+            nxt[cls] = ranks[p] if p < class_offsets[cls + 1] else -1
+            done += 1
+            out[i] = v
+        elif not in_place:
+            out[i] = v
+    return done
 
 
 def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -> int:
     """Write base + deltas into `out` (every element: `out` need not be initialised, or may be
-    `base` itself); returns how many (class, rank) entries were applied."""
+    `base` itself); returns how many (class, rank) entries were applied.
+
+    `starts` comes from this backend's `chunk_class_starts` on the same base: its
+    rows say how the tensor is cut into ranges.
+    """
     if base.size == 0:
         return 0
     in_place = out.__array_interface__["data"][0] == base.__array_interface__["data"][0]
-    return int(_apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out, in_place))
+    ranges = chunk_ranges(base.size, starts.shape[0])
+    done = parallel_map(_apply_ranked_range, [(base, lo, hi, shift, mask, starts[c].copy(), class_offsets, ranks,
+                                               deltas, out, in_place) for c, (lo, hi) in enumerate(ranges)])
+    return int(sum(done))
 
 
 @njit(cache=True, nogil=True)

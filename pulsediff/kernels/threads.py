@@ -1,0 +1,85 @@
+"""The CPU worker threads: how many, and a parallel map over chunks.
+
+Why not Numba's own `parallel=True` threading layer: under load its OpenMP
+threads spin at every barrier and each parallel region waits for its slowest,
+statically assigned thread. Measured on the 2-core machine with two competing
+CPU-bound processes, `make` of a 45 MB pair took 8x its idle time with 2
+OpenMP threads and 1x with one (issue 13). GNU OpenMP is also not fork-safe
+once a kernel has run, and the workqueue layer is not safe to enter from two
+threads at once.
+
+So the kernels are serial `@njit(nogil=True)` functions over a range of a
+tensor, and parallelism comes from plain Python threads that call them with
+the GIL released: a shared queue of chunks (dynamic scheduling: a thread the
+OS descheduled simply takes fewer chunks), idle threads asleep on a condition
+variable (no spinning), a fresh pool after a fork. Chunks are millions of
+elements, so the ~20 microseconds a task costs in Python is noise.
+
+PULSEDIFF_THREADS sets the thread count (default: the CPUs this process may
+run on).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_lock = threading.Lock()
+_inside = threading.local()  # set in pool threads: a nested map runs inline instead of waiting on itself
+
+
+def num_threads() -> int:
+    """Worker threads: PULSEDIFF_THREADS, else the CPUs this process may run on."""
+    value = os.environ.get("PULSEDIFF_THREADS", "").strip()
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return min(n, 256)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _mark_inside() -> None:
+    _inside.active = True
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's worker pool (made again in a forked child, which inherits no threads)."""
+    global _pool
+    with _lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=num_threads(), thread_name_prefix="pulsediff",
+                                                     initializer=_mark_inside))
+        return _pool[1]
+
+
+def parallel_map(fn: Callable[..., T], items: Sequence) -> list[T]:
+    """[fn(*item) for item in items], run on the worker threads; results in order.
+
+    Runs inline when there is one item, one thread, or when called from a
+    worker thread (waiting on the same pool from inside it could deadlock).
+    The first exception is raised once every task has finished, so no task is
+    still writing into the caller's buffers when it returns.
+    """
+    if len(items) <= 1 or getattr(_inside, "active", False) or num_threads() == 1:
+        return [fn(*item) for item in items]
+    futures = [pool().submit(fn, *item) for item in items]
+    results, error = [], None
+    for future in futures:
+        try:
+            results.append(future.result())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finish
+            error = error or exc
+    if error is not None:
+        raise error
+    return results

@@ -1,0 +1,123 @@
+"""Micro-benchmark of the ctx-rans entropy stage: changed values per second per core.
+
+    python scripts/bench_entropy.py [--src DIR ...] [--elements N] [--density D] [--repeats R]
+
+The input is one BF16 tensor of N elements (weights ~N(0, 0.02)) in which a
+fraction D changed by one unit in the last place (1 in 200 of them by a far
+jump, so the escape path runs too): what an RL step does. One thread
+(PULSEDIFF_THREADS=1), so the figures are per core.
+
+  encode  the section from the changed elements' positions and values:
+          codec.encode() minus the class-rank walk over the tensor
+          (kernels.class_ranks, timed alone), i.e. class-major ordering,
+          Rice parameters, Rice and rANS coding
+  decode  Rice decoding of the ranks and rANS decoding of the values, as
+          codec.decode() calls them (one after the other here)
+
+With several --src trees (e.g. an older checkout), each is run in its own
+subprocess, alternating, and the medians are printed side by side: the way
+to quote a before/after ratio on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(elements: int, density: float, seed: int) -> dict:
+    import numpy as np
+
+    from pulsediff.codecs import get_codec
+    from pulsediff.codecs.base import Scratch, SectionContext
+    from pulsediff.dtypes import DTYPES
+    from pulsediff.kernels import get_backend
+
+    rng = np.random.default_rng(seed)
+    base = (rng.normal(0, 0.02, elements).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    target = base.copy()
+    hit = np.flatnonzero(rng.random(elements) < density)
+    target[hit] += rng.choice(np.array([1, 0xFFFF], np.uint16), hit.size)
+    far = hit[rng.random(hit.size) < 0.005]
+    target[far] ^= np.uint16(0x1234)
+    positions = np.flatnonzero(base != target).astype(np.int64)
+    values = target[positions]
+    kernels = get_backend("cpu")
+    codec = get_codec("ctx-rans")
+    bf16 = DTYPES["BF16"]
+
+    t = time.perf_counter()
+    enc = codec.encode(base, target, positions, values, dtype=bf16, kernels=kernels)
+    encode_s = time.perf_counter() - t
+    t = time.perf_counter()
+    kernels.class_ranks(base, 7, 255, positions)
+    ranks_s = time.perf_counter() - t
+
+    payload = b"".join(enc.parts)
+    ctx = SectionContext("t", elements, 2, "bench")
+    assert (codec.decode(base, payload, enc.params, ctx, kernels, Scratch()) == target).all()
+    from pulsediff.codecs import ctx_rans, entropy
+
+    count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = ctx_rans._split(
+        payload, enc.params, ctx)
+    reader = ctx_rans._Reader(table, ctx, "class table")
+    listed = reader.varint(mask + 1)
+    ks, counts = np.empty(listed, np.int64), np.empty(listed, np.int64)
+    for m in range(listed):
+        reader.varint(mask)
+        counts[m] = reader.varint(count)
+        ks[m] = reader.byte()
+    ranks = np.empty(count, np.int64)
+    bound = np.full(listed, elements, np.int64)
+    t = time.perf_counter()
+    status, _ = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, ranks, bound)
+    ctx_rans._decode_values(freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx)
+    decode_s = time.perf_counter() - t
+    assert status == entropy.OK
+    return {"values": int(positions.size), "bytes": len(payload),
+            "encode_s": max(encode_s - ranks_s, 1e-9), "decode_s": decode_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", action="append", type=Path, help="source tree to import pulsediff from (repeatable)")
+    ap.add_argument("--elements", type=int, default=1 << 26)
+    ap.add_argument("--density", type=float, default=0.02)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        measure(args.elements, args.density, 0)  # warm-up: JIT cache, page faults
+        print(json.dumps(measure(args.elements, args.density, 0)))
+        return
+    trees = args.src or [ROOT]
+    results: dict[str, list[dict]] = {str(t): [] for t in trees}
+    env = dict(os.environ, PULSEDIFF_THREADS="1", NUMBA_NUM_THREADS="1")
+    for _ in range(args.repeats):
+        for tree in trees:  # alternating: drift hits every tree alike
+            code = ("import sys, runpy; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+                    f"sys.path.insert(0, {str(tree)!r}); sys.argv = sys.argv[1:]; "
+                    f"runpy.run_path({__file__!r}, run_name='__main__')")
+            out = subprocess.run([sys.executable, "-c", code, __file__, "--child", "--elements", str(args.elements),
+                                  "--density", str(args.density)], env=env, capture_output=True, text=True, check=True)
+            results[str(tree)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"{args.elements} BF16 elements, density {args.density}, one thread, medians of {args.repeats}\n")
+    print("| source | changed values | section bytes | encode M values/s | decode M values/s |")
+    print("|---|---:|---:|---:|---:|")
+    for tree, runs in results.items():
+        n = runs[0]["values"]
+        enc = statistics.median(n / r["encode_s"] / 1e6 for r in runs)
+        dec = statistics.median(n / r["decode_s"] / 1e6 for r in runs)
+        print(f"| {tree} | {n} | {runs[0]['bytes']} | {enc:.1f} | {dec:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
