@@ -1,10 +1,34 @@
 """CUDA kernels: Numba `@cuda.jit`, the GPU twin of `kernels.cpu`.
 
-Same three functions, same arguments, same results bit for bit; inputs and
-outputs are host NumPy arrays, copied to the device and back inside each call.
-`tests/reference.py` holds the plain NumPy oracle both backends are checked
-against (under `NUMBA_ENABLE_CUDASIM=1` when there is no GPU).
+Same functions, same arguments, same results bit for bit. `tests/reference.py`
+holds the plain NumPy oracle both backends are checked against (under
+`NUMBA_ENABLE_CUDASIM=1` when there is no GPU).
 
+Host arrays or device arrays (zero-copy)
+----------------------------------------
+Every entry point takes either host NumPy arrays or device arrays:
+
+- NumPy in, NumPy out (the `kernels.Backend` contract): inputs are copied to
+  the device, results copied back (into `out` for `scatter` and
+  `apply_ranked`), within the call.
+- Device arrays in, device arrays out: a Numba device array, or anything with
+  `__cuda_array_interface__` (a torch CUDA tensor, a CuPy array), is used in
+  place through `numba.cuda.as_cuda_array`, without a copy. Arrays the call
+  makes (positions, values, ranks, starts, sizes) are returned as Numba device
+  arrays, `out` is written on the device, and counts come back as Python ints
+  (one small device-to-host read, which also waits for the kernels).
+
+Where the result lives follows the main array: `old`/`new` for
+`diff_compact`, `out` for `scatter` and `apply_ranked`, `gaps` for
+`gaps_to_positions`, `base` for `chunk_class_starts` and `class_ranks`; a
+host array among the other arguments is copied over. Device arrays must be
+C-contiguous (a strided one could only be used through a copy). Kernels read
+bit patterns: a device array of floats, or torch's bfloat16 (exported as the
+void type `<V2`), is read as the unsigned integers of its width; a signed view
+(torch has few unsigned types) is read as the same bits unsigned.
+
+Compare and compact, prefix sums, scatter
+-----------------------------------------
 Stream compaction (`diff_compact`) is the two-pass tiled scheme of Billeter,
 Olsson and Assarsson, "Efficient Stream Compaction on Wide SIMD Many-Core
 Architectures" (HPG 2009), which is also the count / scan / write of
@@ -29,16 +53,88 @@ the round totals keeps the output ascending.
 per-tile sums (and counts of bad gaps) in pass 1, an exclusive scan of the
 tile sums on the host, a block-level inclusive scan in pass 2.
 
-Only shared memory and `cuda.syncthreads` are used, no warp intrinsics, so
-the kernels also run under the Numba CUDA simulator. Shared memory is the
-dynamic kind (sized at launch), so the block size is a launch parameter and
-one compiled kernel serves every block size.
+Base-context kernels (codec ctx-rans)
+-------------------------------------
+An element's class is `(int64(bits) >> shift) & mask` (the exponent, for
+floats; read as a signed 64-bit value exactly as `kernels.cpu` does, which
+matters for 8-byte elements with the top bit set), and a changed element is
+named by its rank among the base elements of its class. All three kernels cut
+the tensor into `rows` ranges of ceil(n / rows) elements, as `kernels.cpu`
+does: `starts[row, class]`, the elements of the class before the range, says
+by its row count how the tensor was cut, so either backend's `starts` works
+with either backend's `apply_ranked`. This module picks
+rows = min(n / (blockDim * ITEMS_PER_THREAD), CLASS_TILE_BUDGET / classes):
+ranges of at least one tile's length, and a `starts` table of at most
+CLASS_TILE_BUDGET int64 (4 MiB) whatever the tensor's size; one block walks
+one range (grid-stride over ranges). A range is walked in rounds of blockDim
+consecutive elements, aligned to a multiple of blockDim so that loads stay
+coalesced when a range starts mid-segment.
 
-The base-context kernels of the ctx-rans codec (class histograms, class
-ranks, the ranked apply) have no device version yet: this backend provides
-them by running the CPU kernels on the host arrays (see the end of the
-module), so every codec sees one contract. Moving them to the device is
-issue 10's open part.
+This is the "local rank + global offset" decomposition of GPU radix sort's
+scatter (Satish, Harris and Garland, "Designing Efficient Sorting Algorithms
+for Manycore GPUs", IPDPS 2009; Merrill and Grimshaw, "High Performance and
+Scalable Radix Sorting", Parallel Processing Letters 2011): per-block digit
+histograms, an exclusive scan over blocks digit by digit, and a rank inside
+the block. Here the "digits" are up to 4096 classes and only ~1% of the
+elements need a rank, so the in-block part is driven by the listed elements
+rather than by every element:
+
+  chunk_class_starts  per range, a histogram in shared memory with atomic
+          increments (Podlozhnyuk, "Histogram calculation in CUDA", NVIDIA
+          2007), written as one row; then an exclusive scan down each class's
+          column (Blelloch's reduce-then-scan: a block takes 8 adjacent columns,
+          its threads sum runs of rows, one thread per column scans the run
+          sums, the runs are rewritten), which also gives the class sizes.
+  class_ranks  one pass over the base: each round, every thread stores its
+          element's class in shared memory; the listed positions that fall in
+          the round (a prefix of the remaining ones, positions being
+          ascending) are taken one per thread, and each counts the elements of
+          its class before it in the round, plus the range's running count of
+          that class; `syncthreads_count` of the taken ones advances the list
+          and is the barrier before every thread adds its element to the
+          running counts. That gives ranks from the range's start and the
+          range histograms together; after the column scan, one thread per
+          position adds its range's start for its class, and counts positions
+          that are not strictly ascending inside the tensor (then ValueError).
+  apply_ranked  the inverse walk, rank to position. Per range and class, a
+          binary search finds the first listed rank at or past the range's
+          start; shared memory keeps, per class, the index of that entry and
+          its distance (its rank minus the class's running count). Each round,
+          every thread decrements its element's class's distance; after the
+          barrier, a class gone negative has entries in this round, and of the
+          threads holding an element of it the one whose compare-and-swap
+          claims it places those entries: each by scanning the round's classes
+          for the element with the matching count from the round's end
+          ("select"), where it writes base + delta. Work beyond the copy is one
+          shared read per element and a short scan per listed entry; the
+          per-class setup is bounded by the size of `starts`. Shared memory:
+          8 bytes per class (4096 classes: 32 KiB) plus 4 per thread.
+
+Each round costs two barriers. Tables of counts within a range are int32:
+ranges are kept under 2**30 elements.
+
+Hostile input to `apply_ranked` (entries of a decoded patch): an entry whose
+rank is outside its class (>= the class size, or negative) is never written
+and not counted, as on the CPU; an entry whose rank is not above the previous
+entry's of its class is skipped and not counted, so a returned count equal to
+the number of entries means every entry was valid and applied exactly once;
+no input makes a kernel read or write outside its arrays.
+
+Only shared memory, `cuda.syncthreads`, `cuda.syncthreads_count` and shared
+atomics are used, no warp intrinsics, so the kernels also run under the Numba
+CUDA simulator. Shared memory is the dynamic kind (sized at launch), so the
+block size is a launch parameter and one compiled kernel serves every block
+size.
+
+`diff_ranks` (make's compare and class ranks together) is not fused on the
+device yet: it is `diff_compact`, `class_ranks` on its positions, and one
+gather of the changed elements for their zigzag differences and classes.
+`class_major_order` (a counting sort of the changed elements' classes, make
+side) stays on the host: it is the CPU kernel.
+
+None of these kernels has yet run on a GPU, only under the simulator
+(correctness, not speed): `scripts/bench_gpu.py` measures them where a GPU is
+lent.
 
 Importing this module needs no GPU; kernels compile on first call.
 """
@@ -46,7 +142,7 @@ Importing this module needs no GPU; kernels compile on first call.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int64
+from numba import cuda, int32, int64
 
 # Module-level so tests can shrink them and make tiny inputs cross tile and
 # block boundaries. Read at every call.
@@ -58,8 +154,24 @@ ITEMS_PER_THREAD = 8
 # Grid cap; beyond it, blocks loop over tiles (grid-stride), which keeps
 # the per-block partial arrays and the launch size bounded on huge tensors.
 MAX_BLOCKS = 4096
+# Most entries of a `starts` table (ranges x classes): bounds its size (4 MiB of
+# int64) and the per-range setup of apply_ranked, while leaving 2048 ranges
+# for the usual 256 classes, enough blocks for every SM of an H100 several times.
+CLASS_TILE_BUDGET = 1 << 19
 
 _SHARED_ITEM = 8  # bytes per shared-memory slot (int64)
+# mask <= 4095 (ctx-rans' MAX_CLASS_BITS is 12): bounds the per-class tables in shared memory.
+_MAX_CLASSES = 4096
+# Ranges stay shorter than this, so per-range counts fit int32, and a class's distance to its
+# next listed entry can be capped here: within one range it cannot count down that far.
+_FAR = 1 << 30
+_INT64_MAX = 0x7FFFFFFFFFFFFFFF
+# A due class's distance while the thread that claimed it places its entries (not negative,
+# so no other thread takes it; above _FAR, so no real distance equals it).
+_CLAIMED = _FAR + 1
+# Adjacent columns a block of the column scan takes at once (8 int64: 64 contiguous bytes).
+_SCAN_WIDTH = 8
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 
 def _launch_config() -> tuple[int, int, int]:
@@ -71,6 +183,118 @@ def _launch_config() -> tuple[int, int, int]:
     if max_blocks < 1:
         raise ValueError(f"MAX_BLOCKS must be >= 1, got {max_blocks}")
     return tpb, items, max_blocks
+
+
+# --- host and device arrays ----------------------------------------------------
+
+
+def is_device_array(a) -> bool:
+    """A Numba device array (real or simulated) or anything exporting `__cuda_array_interface__`."""
+    return bool(getattr(a, "__cuda_ndarray__", False)) or hasattr(a, "__cuda_array_interface__")
+
+
+def _as_cuda_array(obj):
+    """A Numba device array over an exporter's memory (no copy). Kernels read bit patterns, so
+    a typestr that is not an integer (torch's bfloat16 `<V2`, floats) is imported as the
+    unsigned integers of its width."""
+    iface = dict(obj.__cuda_array_interface__)
+    dtype = np.dtype(iface["typestr"])
+    if dtype.kind not in "iu":
+        iface["typestr"] = _bits_dtype(dtype).str
+    if hasattr(cuda, "from_cuda_array_interface"):
+        return cuda.from_cuda_array_interface(iface, owner=obj, sync=True)
+    # The simulator has none of this: its "device" memory is host memory, so the
+    # interface's pointer is a host pointer, wrapped here as it is (no copy either).
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    class _Exported:
+        __array_interface__ = {"data": iface["data"], "shape": tuple(iface["shape"]), "typestr": iface["typestr"],
+                               "strides": iface.get("strides"), "version": 3}
+        owner = obj  # keeps the exporter alive as long as the array
+
+    return FakeCUDAArray(np.asarray(_Exported()))
+
+
+def _device_view(a):
+    """`a` (already on the device) as a flat Numba device array over the same memory."""
+    d = a if getattr(a, "__cuda_ndarray__", False) else _as_cuda_array(a)
+    if d.size and not d.is_c_contiguous():
+        raise ValueError("device arrays must be C-contiguous: a strided one could only be used through a copy")
+    return d if d.ndim == 1 else d.ravel()
+
+
+def _arg(a):
+    """An array argument as something with NumPy's attributes: a flat device view of a device
+    array (torch's `.size` is a method), else the host array itself."""
+    return _device_view(a) if is_device_array(a) else np.asarray(a)
+
+
+def _bits_dtype(dtype, signed64: bool = False) -> np.dtype:
+    width = np.dtype(dtype).itemsize
+    if width not in _UNSIGNED:
+        raise ValueError(f"elements of {width} bytes have no bit-pattern type (1, 2, 4 or 8 bytes)")
+    # 8-byte classes are computed as the CPU does, np.int64(bits) >> shift (arithmetic):
+    # the kernel gets an int64 view, so the conversion is the identity.
+    return np.dtype(np.int64) if signed64 and width == 8 else _UNSIGNED[width]
+
+
+def _bits(a, signed64: bool = False):
+    """`a`'s elements as bit patterns on the device: a view of a device array, a copy of a host one."""
+    if is_device_array(a):
+        d = _device_view(a)
+        want = _bits_dtype(d.dtype, signed64)
+        return d if d.dtype == want else d.view(want)
+    h = np.ascontiguousarray(a).reshape(-1)
+    return cuda.to_device(h.view(_bits_dtype(h.dtype, signed64)))
+
+
+def _host_bits(a, signed64: bool = False) -> np.ndarray:
+    """A flat host view (or a contiguous copy) of `a` with the kernels' bit-pattern dtype."""
+    h = np.ascontiguousarray(a).reshape(-1)
+    return h.view(_bits_dtype(h.dtype, signed64))
+
+
+def _indices(a):
+    """int64 indices on the device. uint64 is reinterpreted, so values >= 2**63 turn negative
+    and count as out of range, as on the CPU backend."""
+    if is_device_array(a):
+        d = _device_view(a)
+        if d.dtype.kind not in "iu" or d.dtype.itemsize != 8:
+            raise ValueError(f"device index arrays must be int64, not {d.dtype}")
+        return d if d.dtype == np.int64 else d.view(np.int64)
+    h = np.ascontiguousarray(a).reshape(-1)
+    h = h.view(np.int64) if h.dtype == np.uint64 else h.astype(np.int64, copy=False)
+    return cuda.to_device(h)
+
+
+def _table(a, ncols: int, what: str):
+    """A 2-D int64 table (`starts`) on the device."""
+    if is_device_array(a):
+        d = a if getattr(a, "__cuda_ndarray__", False) else _as_cuda_array(a)
+        if d.dtype != np.int64 or d.ndim != 2 or not d.is_c_contiguous():
+            raise ValueError(f"{what} must be a C-contiguous 2-D int64 array")
+    else:
+        d = np.ascontiguousarray(a, dtype=np.int64)
+        if d.ndim != 2:
+            raise ValueError(f"{what} must be 2-D")
+        d = cuda.to_device(d)
+    if d.shape[1] != ncols:
+        raise ValueError(f"{what} has {d.shape[1]} columns, the class mask gives {ncols} classes")
+    return d
+
+
+def _address(a) -> tuple[bool, int]:
+    """(on the device, address of the first element): two arrays alias when both agree."""
+    if is_device_array(a):
+        iface = getattr(a, "__cuda_array_interface__", None)
+        if iface is None:  # a simulated device array: host memory inside
+            iface = a.__array_interface__
+        return True, iface["data"][0]
+    return False, np.asarray(a).__array_interface__["data"][0]
+
+
+def _zeros(shape, dtype):
+    return cuda.to_device(np.zeros(shape, dtype))
 
 
 # --- block-wide primitives ---------------------------------------------------
@@ -169,31 +393,40 @@ def _write_changed(old, new, items, offsets, positions, values):
             out += total
 
 
-def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (int64, ascending) where `new` differs from `old`, and `new`'s bits there."""
+def diff_compact(old, new):
+    """Positions (int64, ascending) where `new` differs from `old`, and `new`'s bits there.
+
+    Device arrays in: both results stay on the device.
+    """
+    on_device = is_device_array(old) or is_device_array(new)
+    old, new = _arg(old), _arg(new)
     if old.size != new.size:
         raise ValueError(f"old and new differ in size ({old.size} != {new.size})")
     n = new.size
-    if n == 0:
-        return np.empty(0, np.int64), np.empty(0, new.dtype)
     tpb, items, max_blocks = _launch_config()
+    values_dtype = _bits_dtype(new.dtype) if on_device else np.dtype(new.dtype)
+    if n == 0:
+        empty = (np.empty(0, np.int64), np.empty(0, values_dtype))
+        return tuple(cuda.to_device(a) for a in empty) if on_device else empty
     ntiles = -(-n // (tpb * items))
     grid = min(ntiles, max_blocks)
     shared = tpb * _SHARED_ITEM
-    d_old = cuda.to_device(np.ascontiguousarray(old).reshape(-1))
-    d_new = cuda.to_device(np.ascontiguousarray(new).reshape(-1))
+    d_old, d_new = _bits(old), _bits(new)
+    if d_old.dtype != d_new.dtype:
+        raise ValueError(f"old and new differ in element width ({old.dtype} != {new.dtype})")
     d_counts = cuda.device_array(ntiles, np.int64)
     _count_changed[grid, tpb, 0, shared](d_old, d_new, items, d_counts)
     counts = d_counts.copy_to_host()
     offsets = np.zeros(ntiles, np.int64)
     np.cumsum(counts[:-1], out=offsets[1:])
     total = int(counts.sum())
-    if total == 0:
-        return np.empty(0, np.int64), np.empty(0, new.dtype)
     d_positions = cuda.device_array(total, np.int64)
-    d_values = cuda.device_array(total, new.dtype)
-    _write_changed[grid, tpb, 0, shared](d_old, d_new, items, cuda.to_device(offsets), d_positions, d_values)
-    return d_positions.copy_to_host(), d_values.copy_to_host()
+    d_values = cuda.device_array(total, d_new.dtype)
+    if total:
+        _write_changed[grid, tpb, 0, shared](d_old, d_new, items, cuda.to_device(offsets), d_positions, d_values)
+    if on_device:
+        return d_positions, d_values
+    return d_positions.copy_to_host(), d_values.copy_to_host().view(values_dtype)
 
 
 # --- scatter -------------------------------------------------------------------
@@ -218,13 +451,25 @@ def _scatter(out, positions, values, bad_per_block):
         bad_per_block[cuda.blockIdx.x] = total
 
 
-def scatter(out: np.ndarray, positions: np.ndarray, values: np.ndarray) -> int:
+def _values_for(values, dtype: np.dtype):
+    """`values` as elements of `out`'s bit type, on the device."""
+    if is_device_array(values):
+        d = _device_view(values)
+        if d.dtype.itemsize != dtype.itemsize:
+            raise ValueError(f"values are {d.dtype.itemsize}-byte elements, out has {dtype.itemsize}-byte ones")
+        return d if d.dtype == dtype else d.view(dtype)
+    # A host array converts as the CPU backend's assignment would.
+    return cuda.to_device(np.ascontiguousarray(values).reshape(-1).astype(dtype, copy=False))
+
+
+def scatter(out, positions, values) -> int:
     """out[positions] = values in place; returns the number of out-of-range positions (0 when valid).
 
     Positions are expected to be distinct (as `diff_compact` and
     `gaps_to_positions` produce them): with duplicates, which value lands is
-    unspecified, as on the CPU backend.
+    unspecified, as on the CPU backend. A device `out` is written on the device.
     """
+    out, positions, values = _arg(out), _arg(positions), _arg(values)
     if positions.size != values.size:
         raise ValueError(f"positions and values differ in size ({positions.size} != {values.size})")
     m = positions.size
@@ -236,13 +481,16 @@ def scatter(out: np.ndarray, positions: np.ndarray, values: np.ndarray) -> int:
     grid = min(-(-m // tpb), max_blocks)
     # uint64 positions >= 2**63 become negative here and are rejected like
     # any other out-of-range position.
-    pos = np.ascontiguousarray(positions).reshape(-1).astype(np.int64, copy=False)
-    vals = np.ascontiguousarray(values).reshape(-1).astype(out.dtype, copy=False)
+    d_pos = _indices(positions)
+    d_bad = cuda.device_array(grid, np.int64)
+    if is_device_array(out):
+        d_out = _bits(out)
+        _scatter[grid, tpb, 0, tpb * _SHARED_ITEM](d_out, d_pos, _values_for(values, d_out.dtype), d_bad)
+        return int(d_bad.copy_to_host().sum())
     # Work on a contiguous 1-D buffer; copy back into `out` only if it is not one.
     flat = out.reshape(-1) if out.flags.c_contiguous else np.ascontiguousarray(out).reshape(-1)
     d_out = cuda.to_device(flat)
-    d_bad = cuda.device_array(grid, np.int64)
-    _scatter[grid, tpb, 0, tpb * _SHARED_ITEM](d_out, cuda.to_device(pos), cuda.to_device(vals), d_bad)
+    _scatter[grid, tpb, 0, tpb * _SHARED_ITEM](d_out, d_pos, _values_for(values, flat.dtype), d_bad)
     d_out.copy_to_host(flat)
     if not out.flags.c_contiguous:
         out[...] = flat.reshape(out.shape)
@@ -303,27 +551,37 @@ def _scan_tiles(gaps, items, starts, positions):
             running += total
 
 
-def gaps_to_positions(gaps: np.ndarray) -> tuple[np.ndarray, int]:
+def gaps_to_positions(gaps):
     """position[i] = sum(gaps[:i+1]) - 1, by a tiled reduce-then-scan.
 
     Returns (positions, number of gaps that are not >= 1). Sums are in int64
     and wrap on overflow, as on the CPU backend; a patch that overflows has
-    bad gaps anyway.
+    bad gaps anyway. Device gaps in: positions stay on the device.
     """
+    on_device = is_device_array(gaps)
+    gaps = _arg(gaps)
     n = gaps.size
     if n == 0:
-        return np.empty(0, np.int64), 0
-    g = np.ascontiguousarray(gaps).reshape(-1)
-    if g.dtype == np.uint64:
-        # Reinterpret, not convert: values >= 2**63 turn negative and count as
-        # bad, and the kernel never mixes uint64 with int64 (Numba would
-        # promote that to float64).
-        g = g.view(np.int64)
+        empty = np.empty(0, np.int64)
+        return (cuda.to_device(empty) if on_device else empty), 0
+    if on_device:
+        d_gaps = _device_view(gaps)
+        if d_gaps.dtype.kind not in "iu":
+            raise ValueError(f"gaps must be integers, not {d_gaps.dtype}")
+        if d_gaps.dtype == np.uint64:
+            d_gaps = d_gaps.view(np.int64)
+    else:
+        g = np.ascontiguousarray(gaps).reshape(-1)
+        if g.dtype == np.uint64:
+            # Reinterpret, not convert: values >= 2**63 turn negative and count as
+            # bad, and the kernel never mixes uint64 with int64 (Numba would
+            # promote that to float64).
+            g = g.view(np.int64)
+        d_gaps = cuda.to_device(g)
     tpb, items, max_blocks = _launch_config()
     ntiles = -(-n // (tpb * items))
     grid = min(ntiles, max_blocks)
     shared = tpb * _SHARED_ITEM
-    d_gaps = cuda.to_device(g)
     d_sums = cuda.device_array(ntiles, np.int64)
     d_bads = cuda.device_array(ntiles, np.int64)
     _tile_sums[grid, tpb, 0, shared](d_gaps, items, d_sums, d_bads)
@@ -332,11 +590,478 @@ def gaps_to_positions(gaps: np.ndarray) -> tuple[np.ndarray, int]:
     starts[1:] += np.cumsum(sums[:-1])
     d_positions = cuda.device_array(n, np.int64)
     _scan_tiles[grid, tpb, 0, shared](d_gaps, items, cuda.to_device(starts), d_positions)
-    return d_positions.copy_to_host(), int(d_bads.copy_to_host().sum())
+    bad = int(d_bads.copy_to_host().sum())
+    return (d_positions if on_device else d_positions.copy_to_host()), bad
 
 
-# Not on the device yet (see the module docstring): the CPU kernels, on the same host arrays.
-from .cpu import apply_ranked, chunk_class_starts, class_major_order, class_ranks  # noqa: E402
+# --- base-context kernels (codec ctx-rans) ----------------------------------------
+#
+# Ranges and rounds: range r is [r * step, min(n, (r + 1) * step)); it is walked
+# in rounds of blockDim elements starting at the multiple of blockDim at or
+# below its start. Thread t takes element round + t when that lies in the range,
+# else class -1 (which no counter has).
+
+
+@cuda.jit(cache=True)
+def _range_histograms(base, shift, mask, step, hist):
+    counts = cuda.shared.array(0, int32)
+    tid = cuda.threadIdx.x
+    tpb = cuda.blockDim.x
+    n = base.size
+    ncls = mask + 1
+    for tile in range(cuda.blockIdx.x, hist.shape[0], cuda.gridDim.x):
+        for k in range(tid, ncls, tpb):
+            counts[k] = 0
+        cuda.syncthreads()
+        lo = tile * step
+        hi = min(n, lo + step)
+        # Aligned start: coalesced loads even when the range begins mid-segment.
+        for i in range(lo - lo % tpb + tid, hi, tpb):
+            if i >= lo:
+                cuda.atomic.add(counts, (int64(base[i]) >> shift) & mask, 1)
+        cuda.syncthreads()
+        for k in range(tid, ncls, tpb):
+            hist[tile, k] = counts[k]
+        cuda.syncthreads()  # the row is read out before the next range clears the counts
+
+
+@cuda.jit(cache=True)
+def _scan_columns(table, totals):
+    # In place: each column becomes its exclusive prefix sum; totals[column] its sum.
+    # A block takes _SCAN_WIDTH adjacent columns at a time, its threads laid out as
+    # _SCAN_WIDTH columns x (blockDim / _SCAN_WIDTH) runs of rows: each thread sums its
+    # run (each row read is 8 adjacent int64, 64 contiguous bytes), one thread per
+    # column scans the run sums in shared memory, and the runs are rewritten.
+    sh = cuda.shared.array(0, int64)
+    tid = cuda.threadIdx.x
+    width = min(_SCAN_WIDTH, cuda.blockDim.x)
+    runs = cuda.blockDim.x // width  # both powers of two: every thread has a (column, run)
+    c = tid % width
+    s = tid // width
+    rows = table.shape[0]
+    cols = table.shape[1]
+    per = (rows + runs - 1) // runs
+    lo = s * per
+    hi = min(rows, lo + per)
+    for group in range(cuda.blockIdx.x, (cols + width - 1) // width, cuda.gridDim.x):
+        col = group * width + c
+        t = int64(0)
+        if col < cols:
+            for r in range(lo, hi):
+                t += table[r, col]
+        sh[tid] = t
+        cuda.syncthreads()
+        if s == 0 and col < cols:
+            run = int64(0)
+            for q in range(runs):
+                v = sh[q * width + c]
+                sh[q * width + c] = run
+                run += v
+            totals[col] = run
+        cuda.syncthreads()
+        if col < cols:
+            run = sh[tid]
+            for r in range(lo, hi):
+                v = table[r, col]
+                table[r, col] = run
+                run += v
+        cuda.syncthreads()  # before the next group overwrites `sh`
+
+
+@cuda.jit(cache=True)
+def _range_first_positions(positions, step, firsts):
+    # firsts[r] = how many positions lie before range r (a lower bound per range).
+    m = positions.size
+    for r in range(cuda.grid(1), firsts.size, cuda.gridsize(1)):
+        target = r * step
+        lo = 0
+        hi = m
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if positions[mid] < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        firsts[r] = lo
+
+
+@cuda.jit(cache=True)
+def _range_ranks(base, shift, mask, step, positions, firsts, ranks, hist):
+    # Ranks from the range's start for the positions listed in the range, and the
+    # range's histogram, in one read of the base (see the module docstring).
+    sh = cuda.shared.array(0, int32)
+    tid = cuda.threadIdx.x
+    tpb = cuda.blockDim.x
+    ncls = mask + 1
+    counts = sh[:ncls]  # per class: elements of the range before this round
+    classes = sh[ncls:ncls + tpb]  # this round's classes
+    n = base.size
+    for tile in range(cuda.blockIdx.x, hist.shape[0], cuda.gridDim.x):
+        for k in range(tid, ncls, tpb):
+            counts[k] = 0
+        lo = tile * step
+        hi = min(n, lo + step)
+        j = firsts[tile]
+        jend = firsts[tile + 1]
+        rnd = lo - lo % tpb
+        while rnd < hi:  # the same for every thread of the block: barriers stay matched
+            i = rnd + tid
+            c = -1
+            if i >= lo and i < hi:
+                c = (int64(base[i]) >> shift) & mask
+            classes[tid] = c
+            cuda.syncthreads()
+            # The positions of this round are a prefix of those left (they ascend):
+            # thread t takes the t-th.
+            e = j + tid
+            taken = 0
+            if e < jend:
+                off = positions[e] - rnd
+                if off >= 0 and off < tpb:
+                    taken = 1
+                    k = classes[off]
+                    r = int64(-1)  # a position outside the tensor: flagged later
+                    if k >= 0:
+                        r = int64(counts[k])
+                        for q in range(off):
+                            if classes[q] == k:
+                                r += 1
+                    ranks[e] = r
+            # Counts the taken ones, and is the barrier between reading `counts` above
+            # and adding this round's elements below.
+            j += cuda.syncthreads_count(taken)
+            if c >= 0:
+                cuda.atomic.add(counts, c, 1)
+            rnd += tpb
+        cuda.syncthreads()
+        for k in range(tid, ncls, tpb):
+            hist[tile, k] = counts[k]
+        cuda.syncthreads()
+
+
+@cuda.jit(cache=True)
+def _globalise_ranks(base, shift, mask, step, positions, starts, ranks, bad_per_block):
+    # Adds each position's range start for its class; counts positions that are not
+    # strictly ascending inside the tensor (whose ranks mean nothing: the caller refuses).
+    sh = cuda.shared.array(0, int64)
+    n = base.size
+    bad = 0
+    for e in range(cuda.grid(1), positions.size, cuda.gridsize(1)):
+        p = positions[e]
+        if p < 0 or p >= n or (e > 0 and positions[e - 1] >= p):
+            bad += 1
+        else:
+            ranks[e] += starts[p // step, (int64(base[p]) >> shift) & mask]
+    total = _block_sum(sh, bad)
+    if cuda.threadIdx.x == 0:
+        bad_per_block[cuda.blockIdx.x] = total
+
+
+@cuda.jit(device=True)
+def _class_segment(class_offsets, k, m):
+    # The entries of class k, clamped into the ranks array (offsets are the caller's).
+    a = min(max(class_offsets[k], 0), m)
+    b = min(max(class_offsets[k + 1], a), m)
+    return a, b
+
+
+@cuda.jit(device=True)
+def _nth_from_end(classes, k, back):
+    # Index in the round of the element of class k with `back` others of its class
+    # after it in the round; -1 if there is none.
+    seen = 0
+    for off in range(classes.size - 1, -1, -1):
+        if classes[off] == k:
+            if seen == back:
+                return off
+            seen += 1
+    return -1
+
+
+@cuda.jit(cache=True)
+def _apply_ranges(base, shift, mask, wmask, step, starts, class_offsets, ranks, deltas, out, copy, applied):
+    sh = cuda.shared.array(0, int32)
+    tid = cuda.threadIdx.x
+    tpb = cuda.blockDim.x
+    ncls = mask + 1
+    # Per class: its next listed entry (index from the class's first entry), and that
+    # entry's distance: its rank minus the class's count so far (capped at _FAR).
+    nxt = sh[:ncls]
+    dist = sh[ncls:2 * ncls]
+    classes = sh[2 * ncls:2 * ncls + tpb]
+    n = base.size
+    m = ranks.size
+    done = 0
+    for tile in range(cuda.blockIdx.x, starts.shape[0], cuda.gridDim.x):
+        lo = tile * step
+        hi = min(n, lo + step)
+        for k in range(tid, ncls, tpb):
+            a, b = _class_segment(class_offsets, k, m)
+            s = starts[tile, k]
+            # Lower bound: the first entry of the class ranked at or past the range.
+            x = a
+            y = b
+            while x < y:
+                mid = (x + y) // 2
+                if ranks[mid] < s:
+                    x = mid + 1
+                else:
+                    y = mid
+            nxt[k] = x - a
+            dist[k] = min(ranks[x] - s, _FAR) if x < b else _FAR
+        cuda.syncthreads()
+        rnd = lo - lo % tpb
+        while rnd < hi:  # the same for every thread of the block: barriers stay matched
+            i = rnd + tid
+            c = -1
+            if i >= lo and i < hi:
+                v = base[i]
+                c = (int64(v) >> shift) & mask
+                cuda.atomic.add(dist, c, -1)
+                if copy:
+                    out[i] = v
+            classes[tid] = c
+            cuda.syncthreads()
+            # A class gone negative has entries in this round, and so has elements in it:
+            # of the threads holding one, the one whose compare-and-swap claims the class
+            # places its entries.
+            if c >= 0:
+                d = dist[c]
+                if d < 0 and cuda.atomic.cas(dist, c, d, int32(_CLAIMED)) == d:  # d < 0: never capped, exact
+                    a, b = _class_segment(class_offsets, c, m)
+                    e = a + nxt[c]
+                    s = starts[tile, c]
+                    # Ranks below `limit` are due: the class's count up to the end of this round.
+                    limit = ranks[e] - d
+                    while e < b and ranks[e] < limit:
+                        r = ranks[e]
+                        # Valid entries ascend strictly within a class; one that does not,
+                        # or that lies before the range, is skipped and not counted.
+                        if r >= s and (e == a or ranks[e - 1] < r):
+                            off = _nth_from_end(classes, c, limit - 1 - r)
+                            if off >= 0:
+                                pos = rnd + off
+                                z = int64(deltas[e])
+                                delta = ((z >> 1) & _INT64_MAX) ^ -(z & 1)  # un-zigzag
+                                # Wraps modulo 2**width: exact integer arithmetic on bit patterns.
+                                out[pos] = (int64(base[pos]) + delta) & wmask
+                                done += 1
+                        e += 1
+                    nxt[c] = e - a
+                    dist[c] = min(ranks[e] - limit, _FAR) if e < b else _FAR
+            cuda.syncthreads()  # before the next round overwrites `classes` and counts down `dist`
+            rnd += tpb
+    if done > 0:
+        cuda.atomic.add(applied, cuda.blockIdx.x, done)
+
+
+def _check_class_field(shift: int, mask: int) -> None:
+    if not 0 <= shift <= 63:
+        raise ValueError(f"class shift must be in [0, 63], got {shift}")
+    if not 0 <= mask < _MAX_CLASSES:
+        raise ValueError(f"class mask must be in [0, {_MAX_CLASSES - 1}], got {mask}")
+
+
+def _class_ranges(n: int, ncls: int) -> tuple[int, int]:
+    """(rows, step) for a tensor of n elements: see the module docstring."""
+    tpb, items, _ = _launch_config()
+    by_length = -(-n // (tpb * items))
+    by_memory = max(1, int(CLASS_TILE_BUDGET) // ncls)
+    rows = max(1, min(by_length, by_memory), -(-n // (_FAR - 1)))
+    return rows, max(1, -(-n // rows))
+
+
+def _class_grid(rows: int) -> int:
+    _, _, max_blocks = _launch_config()
+    return min(rows, max_blocks)
+
+
+def _starts_from_histograms(hist, ncls: int):
+    """In place: range histograms -> exclusive scan per class; returns the class sizes."""
+    tpb, _, max_blocks = _launch_config()
+    sizes = cuda.device_array(ncls, np.int64)
+    groups = -(-ncls // min(_SCAN_WIDTH, tpb))
+    _scan_columns[min(groups, max_blocks), tpb, 0, tpb * _SHARED_ITEM](hist, sizes)
+    return sizes
+
+
+def chunk_class_starts(base, shift: int, mask: int):
+    """(starts[range, class]: elements of that class before the range, sizes[class]).
+
+    The number of rows fixes how `apply_ranked` cuts the tensor into ranges
+    (ceil(n / rows) elements each, as on the CPU backend). Device base in: both
+    results stay on the device.
+    """
+    _check_class_field(shift, mask)
+    on_device = is_device_array(base)
+    d_base = _bits(base, signed64=True)
+    n = d_base.size
+    ncls = mask + 1
+    tpb, _, _ = _launch_config()
+    rows, step = _class_ranges(n, ncls)
+    hist = cuda.device_array((rows, ncls), np.int64)
+    # Empty ranges (n == 0 included) write rows of zeros.
+    _range_histograms[_class_grid(rows), tpb, 0, ncls * 4](d_base, shift, mask, step, hist)
+    sizes = _starts_from_histograms(hist, ncls)
+    if on_device:
+        return hist, sizes
+    return hist.copy_to_host(), sizes.copy_to_host()
+
+
+def class_ranks(base, shift: int, mask: int, positions):
+    """Per changed position: its rank within its class (the base elements of its class before
+    it). Also returns class sizes. Positions must be strictly ascending and inside the tensor
+    (ValueError otherwise). Device base in: both results stay on the device.
+    """
+    _check_class_field(shift, mask)
+    on_device = is_device_array(base)
+    d_base = _bits(base, signed64=True)
+    d_pos = _indices(positions)
+    n, m, ncls = d_base.size, d_pos.size, mask + 1
+    tpb, _, max_blocks = _launch_config()
+    rows, step = _class_ranges(n, ncls)
+    grid = _class_grid(rows)
+    firsts = cuda.device_array(rows + 1, np.int64)
+    _range_first_positions[min(-(-(rows + 1) // tpb), max_blocks), tpb](d_pos, step, firsts)
+    ranks = cuda.device_array(m, np.int64)
+    hist = cuda.device_array((rows, ncls), np.int64)
+    _range_ranks[grid, tpb, 0, (ncls + tpb) * 4](d_base, shift, mask, step, d_pos, firsts, ranks, hist)
+    sizes = _starts_from_histograms(hist, ncls)
+    if m:
+        fix_grid = min(-(-m // tpb), max_blocks)
+        bad = cuda.device_array(fix_grid, np.int64)
+        _globalise_ranks[fix_grid, tpb, 0, tpb * _SHARED_ITEM](d_base, shift, mask, step, d_pos, hist, ranks, bad)
+        n_bad = int(bad.copy_to_host().sum())
+        if n_bad:
+            raise ValueError(f"class_ranks needs strictly ascending positions inside the tensor; "
+                             f"{n_bad} of {m} are not")
+    if on_device:
+        return ranks, sizes
+    return ranks.copy_to_host(), sizes.copy_to_host()
+
+
+def apply_ranked(base, shift: int, mask: int, starts, class_offsets, ranks, deltas, out) -> int:
+    """Write base + deltas into `out` (every element: `out` need not be initialised, or may be
+    `base` itself); returns how many (class, rank) entries were applied.
+
+    `starts` is either backend's `chunk_class_starts` of this base: its rows say how
+    the tensor is cut into ranges. Entries are grouped by class (`class_offsets`,
+    mask + 2 ascending offsets into `ranks` and `deltas`), ranks ascending within a
+    class; deltas are zigzag-coded bit-pattern differences. An entry whose rank is
+    outside its class, or not above the previous entry's, is not applied and not
+    counted. A device `out` is written on the device.
+    """
+    _check_class_field(shift, mask)
+    out_on_device = is_device_array(out)
+    base, out = _arg(base), _arg(out)
+    n = base.size
+    if out.size != n:
+        raise ValueError(f"out has {out.size} elements, base {n}")
+    if n == 0:
+        return 0
+    ncls = mask + 1
+    width = np.dtype(base.dtype).itemsize
+    if np.dtype(out.dtype).itemsize != width:
+        raise ValueError(f"out has {np.dtype(out.dtype).itemsize}-byte elements, base {width}-byte ones")
+    d_starts = _table(starts, ncls, "starts")
+    rows = d_starts.shape[0]
+    if rows < 1:
+        raise ValueError("starts has no rows")
+    step = -(-n // rows)
+    if step >= _FAR:
+        raise ValueError(f"ranges of {step} elements are too long for the CUDA kernels (at most {_FAR - 1}); "
+                         "use this backend's chunk_class_starts")
+    d_offsets = _indices(class_offsets)
+    if d_offsets.size != ncls + 1:
+        raise ValueError(f"class_offsets has {d_offsets.size} entries, the class mask needs {ncls + 1}")
+    d_ranks = _indices(ranks)
+    if is_device_array(deltas):
+        d_deltas = _device_view(deltas)
+        if d_deltas.dtype.kind not in "iu":
+            raise ValueError(f"deltas must be unsigned integers, not {d_deltas.dtype}")
+    else:
+        d_deltas = cuda.to_device(np.ascontiguousarray(deltas).reshape(-1))
+    if d_deltas.dtype.itemsize == 8 and d_deltas.dtype != np.int64:
+        d_deltas = d_deltas.view(np.int64)  # the kernel un-zigzags in int64: same bits
+    if d_deltas.size != d_ranks.size:
+        raise ValueError(f"{d_deltas.size} deltas for {d_ranks.size} ranks")
+    if d_ranks.size >= 1 << 31:
+        raise ValueError("more than 2**31 - 1 entries: per-class indices are int32 in shared memory")
+
+    in_place = _address(out) == _address(base)
+    d_base = _bits(base, signed64=True)
+    if in_place:  # one buffer on the device too; a host one is copied back below
+        d_out = d_base
+    else:
+        d_out = _bits(out, signed64=True) if out_on_device else cuda.device_array(n, d_base.dtype)
+    wmask = -1 if width == 8 else (1 << (8 * width)) - 1
+    tpb, _, _ = _launch_config()
+    grid = _class_grid(rows)
+    applied = _zeros(grid, np.int64)
+    _apply_ranges[grid, tpb, 0, (2 * ncls + tpb) * 4](d_base, shift, mask, wmask, step, d_starts, d_offsets, d_ranks,
+                                                     d_deltas, d_out, not in_place, applied)
+    if not out_on_device:
+        if out.flags.c_contiguous:
+            d_out.copy_to_host(_host_bits(out, signed64=True))
+        else:
+            out[...] = d_out.copy_to_host().view(out.dtype).reshape(out.shape)
+    return int(applied.copy_to_host().sum())
+
+
+@cuda.jit(cache=True)
+def _zigzag_and_classes(old, positions, values, shift, mask, wmask, half, zigzag, classes):
+    # Per changed element: new - old modulo 2**width as a signed value, zigzag-coded
+    # (0, -1, 1, -2 -> 0, 1, 2, 3), and the base class. All in int64: 8-byte
+    # elements come as int64 views (half 0: already signed), narrower ones
+    # zero-extended and sign-extended here from bit width - 1.
+    for e in range(cuda.grid(1), positions.size, cuda.gridsize(1)):
+        p = positions[e]
+        a = int64(old[p])
+        d = (int64(values[e]) - a) & wmask
+        if half > 0 and d >= half:
+            d -= 2 * half
+        zigzag[e] = ((d << 1) ^ (d >> 63)) & wmask
+        classes[e] = (a >> shift) & mask
+
+
+def diff_ranks(old, new, shift: int, mask: int):
+    """For each element whose bits differ (in position order): the zigzag-coded difference
+    new - old (old's bits dtype), its base class (uint16) and its rank within that class
+    (int64); and the class sizes.
+
+    Not fused on the device yet: `diff_compact`, then `class_ranks` on its positions, then
+    one gather of the changed elements (the base is read three times, the target twice,
+    where the CPU backend reads the pair once). Device arrays in: results on the device.
+    """
+    _check_class_field(shift, mask)
+    on_device = is_device_array(old) or is_device_array(new)
+    o, nw = _arg(old), _arg(new)
+    if o.size != nw.size or np.dtype(o.dtype).itemsize != np.dtype(nw.dtype).itemsize:
+        raise ValueError("diff_ranks needs arrays of equal length and element width")
+    width = np.dtype(o.dtype).itemsize
+    d_old = _bits(o, signed64=True)
+    d_new = _bits(nw, signed64=True)
+    positions, values = diff_compact(d_old, d_new)
+    ranks, sizes = class_ranks(d_old, shift, mask, positions)
+    m = positions.size
+    zigzag = cuda.device_array(m, d_old.dtype)
+    classes = cuda.device_array(m, np.uint16)
+    if m:
+        tpb, _, max_blocks = _launch_config()
+        wmask = -1 if width == 8 else (1 << (8 * width)) - 1
+        half = 0 if width == 8 else 1 << (8 * width - 1)
+        if width == 8:
+            values = values.view(np.int64)  # the kernel works in int64: same bits
+        _zigzag_and_classes[min(-(-m // tpb), max_blocks), tpb](d_old, positions, values, shift, mask, wmask, half,
+                                                                zigzag, classes)
+    zigzag = zigzag.view(_UNSIGNED[width]) if width == 8 else zigzag
+    if on_device:
+        return zigzag, classes, ranks, sizes
+    return zigzag.copy_to_host(), classes.copy_to_host(), ranks.copy_to_host(), sizes.copy_to_host()
+
+
+# Not on the device: the counting sort of the changed elements' classes (small, make side).
+from .cpu import class_major_order  # noqa: E402
 
 __all__ = ["diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks", "apply_ranked",
-           "class_major_order"]
+           "diff_ranks", "class_major_order", "is_device_array"]

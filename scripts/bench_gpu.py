@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""GPU benchmark: copy bandwidth, each CUDA kernel's effective bandwidth, and applying a
+ctx-rans patch to a 7B-shaped set of BF16 tensors held in GPU memory.
+
+On a machine with an NVIDIA GPU, numba-cuda and a CUDA build of torch:
+
+    python scripts/bench_gpu.py                      # 7B shape, 1% density, 5 repeats
+    python scripts/bench_gpu.py --live               # also pulsediff.live.apply_to_state_dict end to end
+    python scripts/bench_gpu.py --tiny               # a few thousand elements: checks the script runs
+
+Prints markdown tables. Every timing is the median of --repeats runs after one warm-up
+run (which also compiles the kernels), taken with the device synchronised before and
+after (cuda.synchronize + time.perf_counter), so a row is the wall time a caller of
+the entry point waits, its small host work and device-to-host reads of counts included.
+
+What is measured:
+- copy bandwidth: a device-to-device copy of --copy-mib MiB, reported as (bytes read +
+  bytes written) / time like the kernels below; a host-to-device copy from pinned
+  memory, reported as bytes copied / time.
+- each kernel of pulsediff.kernels.cuda on one BF16 tensor of --elements elements with
+  --density of them changed by +-1 ULP, all arrays already on the device (zero-copy:
+  Numba device arrays): effective bandwidth = (bytes each kernel must read + bytes it
+  must write) / time, the byte counts given in the table, not what the kernel really
+  moves (diff_compact reads its inputs twice, for instance).
+- the 7B shape (Llama-2-7B: 291 tensors, 6.74e9 BF16 elements, 13.5 GB): the dense
+  baseline is `tensor.copy_(pinned_host_tensor)` for every tensor; the patch is applied
+  in place from what the ctx-rans decoder hands over after its entropy decode (ranks
+  int64 and zigzag deltas uint8 per change, class-major, in pinned host memory):
+  their host-to-device copy, `chunk_class_starts` and `apply_ranked` per tensor. The
+  entropy decode itself runs on the CPU and is not in this figure (the issue allows it
+  to overlap with the device work; docs/BENCHMARKS.md has CPU decode figures). The
+  result is checked bit for bit against the expected tensors.
+- with --live: `pulsediff.live.apply_to_state_dict(tensors, patch, device="cuda")` on
+  the same tensors with a real ctx-rans patch (made with make_patch_bytes from host
+  copies), end to end: the digest, decode and check run on host copies today.
+
+--tiny: small sizes and blocks, for the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)
+as well as a GPU: it checks the script runs and the results are right; its timings mean
+nothing and are printed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHIFT, MASK = 7, 255  # BF16's exponent field: ctx-rans' class
+
+
+def llama_7b_shapes(vocab=32000, hidden=4096, inter=11008, layers=32) -> list[tuple[str, tuple[int, ...]]]:
+    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + f"self_attn.{x}_proj.weight", (hidden, hidden)) for x in "qkvo"]
+        shapes += [(p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+                   (p + "mlp.down_proj.weight", (hidden, inter)),
+                   (p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
+    return shapes + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+# --- timing ------------------------------------------------------------------------------
+
+
+def sync():
+    from numba import cuda
+
+    cuda.synchronize()
+
+
+def timed(fn, repeats: int, setup=None) -> float:
+    """Median seconds of fn() over `repeats` runs after one warm-up; setup() runs untimed before each."""
+    if setup:
+        setup()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+def gbps(nbytes: float, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.1f}" if seconds > 0 else "-"
+
+
+# --- inputs ------------------------------------------------------------------------------
+
+
+def bf16_pool(rng, n: int) -> np.ndarray:
+    """BF16 bit patterns of N(0, 0.02) weights (what an LLM's matrices look like)."""
+    return ((rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def take(pool: np.ndarray, start: int, n: int) -> np.ndarray:
+    """n consecutive elements of the pool (at least n long), from an offset that moves with
+    `start`: cheap, distinct-looking tensors."""
+    s = start % (pool.size - n + 1)
+    return pool[s:s + n].copy()
+
+
+def sparse_positions(rng, n: int, density: float) -> np.ndarray:
+    """Ascending positions at `density`, from geometric gaps (no pass over all n elements)."""
+    if n == 0 or density <= 0:
+        return np.empty(0, np.int64)
+    want = int(n * density * 1.2) + 16
+    pos = np.cumsum(rng.geometric(density, want)) - 1
+    while pos[-1] < n:  # rarely: more gaps needed
+        pos = np.concatenate([pos, pos[-1] + np.cumsum(rng.geometric(density, want))])
+    return pos[pos < n].astype(np.int64)
+
+
+def plus_minus_one(rng, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """+-1 ULP changes: signed deltas (int64) and their zigzag codes (uint8: 2 for +1, 1 for -1)."""
+    up = rng.random(m) < 0.5
+    return np.where(up, 1, -1).astype(np.int64), np.where(up, 2, 1).astype(np.uint8)
+
+
+def apply_deltas(bits: np.ndarray, positions: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    out = bits.copy()
+    out[positions] = (bits[positions].astype(np.int64) + deltas).astype(np.uint16)  # modulo 2**16
+    return out
+
+
+def class_major(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray):
+    """What ctx-rans decode hands apply_ranked: offsets per class, ranks and deltas grouped by class."""
+    order = np.argsort(classes, kind="stable")
+    offsets = np.zeros(MASK + 2, np.int64)
+    np.cumsum(np.bincount(classes, minlength=MASK + 1), out=offsets[1:])
+    return offsets, np.ascontiguousarray(ranks[order]), np.ascontiguousarray(zigzag[order])
+
+
+# --- where the tensors live ----------------------------------------------------------------
+
+
+def pinned_numpy(a: np.ndarray) -> np.ndarray:
+    from numba import cuda
+
+    p = cuda.pinned_array(a.shape, a.dtype)
+    p[...] = a
+    return p
+
+
+class NumbaArrays:
+    """Numba device arrays of uint16 bits (also what runs under the simulator)."""
+
+    what = "Numba device arrays (uint16 bits)"
+    dense_copy = "dense copy from pinned host memory (Numba `copy_to_device`: no torch CUDA here)"
+
+    def to_device(self, bits: np.ndarray):
+        from numba import cuda
+
+        return cuda.to_device(bits)
+
+    def pinned(self, bits: np.ndarray):
+        return pinned_numpy(bits)
+
+    def host_bits(self, pinned) -> np.ndarray:
+        return pinned.reshape(-1)
+
+    def upload(self, dst, pinned) -> None:
+        dst.copy_to_device(pinned)
+
+    def to_host(self, d) -> np.ndarray:
+        return d.copy_to_host().reshape(-1)
+
+
+class TorchTensors:
+    """torch CUDA tensors of dtype bfloat16, passed to the kernels as they are (zero-copy)."""
+
+    what = "torch CUDA tensors (bfloat16)"
+    dense_copy = "dense `tensor.copy_()` from pinned host memory"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def to_device(self, bits: np.ndarray):
+        return self.torch.from_numpy(bits.view(np.int16)).view(self.torch.bfloat16).cuda()
+
+    def pinned(self, bits: np.ndarray):
+        return self.torch.from_numpy(bits.view(np.int16)).view(self.torch.bfloat16).pin_memory()
+
+    def host_bits(self, pinned) -> np.ndarray:
+        return pinned.view(self.torch.int16).numpy().view(np.uint16).reshape(-1)
+
+    def upload(self, dst, pinned) -> None:
+        dst.copy_(pinned, non_blocking=True)
+
+    def to_host(self, t) -> np.ndarray:
+        return t.view(self.torch.int16).cpu().numpy().view(np.uint16).reshape(-1)
+
+
+# --- the benchmarks --------------------------------------------------------------------------
+
+
+def copy_bandwidth(mib: float, repeats: int) -> list[list[str]]:
+    from numba import cuda
+
+    nbytes = int(mib * 2**20)
+    src = cuda.to_device(np.ones(nbytes, np.uint8))
+    dst = cuda.device_array(nbytes, np.uint8)
+    host = cuda.pinned_array(nbytes, np.uint8)
+    host[:] = 1
+    d2d = timed(lambda: dst.copy_to_device(src), repeats)
+    h2d = timed(lambda: dst.copy_to_device(host), repeats)
+    return [["device-to-device copy", f"{2 * nbytes:,} (read + write)", f"{d2d * 1e3:.3f}", gbps(2 * nbytes, d2d)],
+            ["pinned host-to-device copy", f"{nbytes:,} (copied)", f"{h2d * 1e3:.3f}", gbps(nbytes, h2d)]]
+
+
+def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[list[str]], bool]:
+    from numba import cuda
+
+    from pulsediff.kernels import cuda as K
+
+    old = bf16_pool(rng, n)
+    positions = sparse_positions(rng, n, density)
+    deltas, zigzag = plus_minus_one(rng, positions.size)
+    new = apply_deltas(old, positions, deltas)
+    m, w = positions.size, 2
+    d_old, d_new = cuda.to_device(old), cuda.to_device(new)
+    d_work = cuda.device_array_like(old)
+    restore = lambda: d_work.copy_to_device(d_old)  # noqa: E731
+
+    rows, ok = [], True
+
+    def row(name, fn, read, written, setup=None):
+        t = timed(fn, repeats, setup)
+        rows.append([name, f"{read:,}", f"{written:,}", f"{t * 1e3:.3f}", gbps(read + written, t)])
+
+    d_pos, d_vals = K.diff_compact(d_old, d_new)
+    ok &= np.array_equal(d_pos.copy_to_host(), positions)
+    row("diff_compact", lambda: K.diff_compact(d_old, d_new), 2 * n * w, m * (8 + w))
+    row("scatter", lambda: K.scatter(d_work, d_pos, d_vals), m * (8 + w), m * w, restore)
+    ok &= np.array_equal(d_work.copy_to_host(), new)
+    d_gaps = cuda.to_device(np.diff(positions, prepend=-1).astype(np.uint32))
+    row("gaps_to_positions (uint32 gaps)", lambda: K.gaps_to_positions(d_gaps), m * 4, m * 8)
+    starts, sizes = K.chunk_class_starts(d_old, SHIFT, MASK)
+    row("chunk_class_starts", lambda: K.chunk_class_starts(d_old, SHIFT, MASK), n * w,
+        starts.shape[0] * starts.shape[1] * 8)
+    ranks, _ = K.class_ranks(d_old, SHIFT, MASK, d_pos)
+    row("class_ranks", lambda: K.class_ranks(d_old, SHIFT, MASK, d_pos), n * w + m * (8 + w), m * 8)
+    classes = (old[positions].astype(np.int64) >> SHIFT) & MASK
+    offsets, ranks_cm, zig_cm = class_major(classes, ranks.copy_to_host(), zigzag)
+    d_offsets, d_ranks, d_zig = cuda.to_device(offsets), cuda.to_device(ranks_cm), cuda.to_device(zig_cm)
+    d_out = cuda.device_array_like(old)
+    row("apply_ranked into a new tensor", lambda: K.apply_ranked(d_old, SHIFT, MASK, starts, d_offsets, d_ranks,
+                                                                 d_zig, d_out), n * w + m * 9, n * w)
+    ok &= np.array_equal(d_out.copy_to_host(), new)
+    row("apply_ranked in place", lambda: K.apply_ranked(d_work, SHIFT, MASK, starts, d_offsets, d_ranks, d_zig,
+                                                        d_work), n * w + m * 9, m * w, restore)
+    ok &= np.array_equal(d_work.copy_to_host(), new)
+    return rows, bool(ok)
+
+
+@dataclass
+class Tensor:
+    name: str
+    shape: tuple
+    dev: object  # on the device, patched in place
+    dense: object  # pinned host copy of the base: the dense baseline's source, and the restore
+    expected: np.ndarray  # the target's bits
+    offsets: np.ndarray
+    h_ranks: np.ndarray  # pinned: what the entropy decoder hands over
+    h_zigzag: np.ndarray
+    d_ranks: object  # the device buffers they are copied into
+    d_zigzag: object
+
+
+def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -> tuple[list[list[str]], bool, dict]:
+    from numba import cuda
+
+    from pulsediff.kernels import cuda as K
+
+    total = sum(int(np.prod(s)) for _, s in shapes)
+    pool = bf16_pool(rng, max(int(np.prod(s)) for _, s in shapes) + 4096)
+    tensors, start, changes = [], 0, 0
+    for name, shape in shapes:
+        n = int(np.prod(shape))
+        bits = take(pool, start, n)
+        start += n + 977
+        positions = sparse_positions(rng, n, density)
+        deltas, zigzag = plus_minus_one(rng, positions.size)
+        dev = arrays.to_device(bits.reshape(shape))
+        ranks, _ = K.class_ranks(dev, SHIFT, MASK, cuda.to_device(positions))  # as make computes them, on the device
+        classes = (bits[positions].astype(np.int64) >> SHIFT) & MASK
+        offsets, ranks_cm, zig_cm = class_major(classes, ranks.copy_to_host(), zigzag)
+        tensors.append(Tensor(name, shape, dev, arrays.pinned(bits.reshape(shape)),
+                              apply_deltas(bits, positions, deltas), offsets, pinned_numpy(ranks_cm),
+                              pinned_numpy(zig_cm), cuda.device_array(ranks_cm.size, np.int64),
+                              cuda.device_array(zig_cm.size, np.uint8)))
+        changes += positions.size
+
+    def dense():
+        for t in tensors:
+            arrays.upload(t.dev, t.dense)
+
+    applied = [0]
+
+    def patch(upload=True):
+        applied[0] = 0
+        for t in tensors:
+            if upload:
+                t.d_ranks.copy_to_device(t.h_ranks)
+                t.d_zigzag.copy_to_device(t.h_zigzag)
+            starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
+            applied[0] += K.apply_ranked(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks, t.d_zigzag, t.dev)
+
+    t_dense = timed(dense, repeats)
+    t_patch = timed(patch, repeats, setup=dense)
+    t_kernels = timed(lambda: patch(upload=False), repeats, setup=dense)  # the entries stay where patch put them
+    ok = applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
+    nbytes = 2 * total
+    rows = [[arrays.dense_copy, f"{nbytes:,}", f"{t_dense * 1e3:.1f}", gbps(nbytes, t_dense),
+             "1.00"],
+            ["patch: H2D of the decoded entries + chunk_class_starts + apply_ranked in place",
+             f"{changes * 9:,}", f"{t_patch * 1e3:.1f}", gbps(nbytes, t_patch), f"{t_dense / t_patch:.2f}"],
+            ["same, kernels only (entries already on the device)", "0", f"{t_kernels * 1e3:.1f}",
+             gbps(nbytes, t_kernels), f"{t_dense / t_kernels:.2f}"]]
+    info = {"tensors": len(shapes), "elements": total, "changes": changes}
+    if live:
+        rows.append(live_apply(tensors, arrays, repeats, info))
+        ok &= info["live_ok"]
+    return rows, bool(ok), info
+
+
+def live_apply(tensors, arrays, repeats: int, info: dict) -> list[str]:
+    """pulsediff.live.apply_to_state_dict end to end, with a real ctx-rans patch."""
+    import torch
+
+    from pulsediff.live import apply_to_state_dict
+    from pulsediff.make import make_patch_bytes
+
+    def host(bits, shape):
+        return torch.from_numpy(bits.view(np.int16).reshape(shape)).view(torch.bfloat16)
+
+    old = {t.name: host(arrays.host_bits(t.dense), t.shape) for t in tensors}
+    new = {t.name: host(t.expected, t.shape) for t in tensors}
+    patch = make_patch_bytes(old, new)
+    if isinstance(arrays, TorchTensors):
+        live = {t.name: t.dev for t in tensors}
+        restore = lambda: [t.dev.copy_(t.dense) for t in tensors]  # noqa: E731
+    else:  # no torch CUDA here (the simulator): torch CPU tensors through the CUDA kernels
+        live = {name: o.clone() for name, o in old.items()}
+        restore = lambda: [live[n].copy_(old[n]) for n in live]  # noqa: E731
+    seconds = timed(lambda: apply_to_state_dict(live, patch, device="cuda"), repeats, setup=restore)
+    info["live_ok"] = all(np.array_equal(live[t.name].view(torch.int16).cpu().numpy().view(np.uint16).reshape(-1),
+                                         t.expected) for t in tensors)
+    nbytes = 2 * info["elements"]
+    return [f"`pulsediff.live.apply_to_state_dict` end to end, ctx-rans patch file of {len(patch):,} bytes", "-",
+            f"{seconds * 1e3:.1f}", gbps(nbytes, seconds), "-"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--elements", type=int, default=1 << 27, help="elements of the kernel benchmark's tensor")
+    ap.add_argument("--density", type=float, default=0.01, help="fraction of elements changed")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--copy-mib", type=float, default=1024.0, help="MiB copied for the copy bandwidth")
+    ap.add_argument("--model", choices=["7b", "none"], default="7b")
+    ap.add_argument("--live", action="store_true", help="also time pulsediff.live.apply_to_state_dict")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and blocks: a run that checks the script")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from numba import config, cuda
+
+    simulated = bool(config.ENABLE_CUDASIM)
+    if not cuda.is_available():
+        print("no usable CUDA device (to try the script without one: NUMBA_ENABLE_CUDASIM=1 ... --tiny)",
+              file=sys.stderr)
+        return 2
+    if simulated and not args.tiny:
+        print("the Numba CUDA simulator measures nothing: use --tiny to check the script", file=sys.stderr)
+        return 2
+    from pulsediff.kernels import cuda as K
+
+    shapes = llama_7b_shapes()
+    if args.tiny:
+        # Blocks of 8 threads: tiny tensors still span many ranges and blocks.
+        K.THREADS_PER_BLOCK, K.ITEMS_PER_THREAD, K.MAX_BLOCKS = 8, 2, 4
+        args.elements, args.copy_mib, args.repeats = 300, 0.01, 1
+        args.density = max(args.density, 0.05)
+        args.live = True
+        # One tensor of each kind, of a toy size: the simulator's cost is per kernel call.
+        keep = ("embed_tokens", "q_proj", "down_proj", "input_layernorm", "lm_head")
+        shapes = [(n, s) for n, s in llama_7b_shapes(vocab=24, hidden=8, inter=12, layers=1)
+                  if any(k in n for k in keep)]
+        sys.setswitchinterval(1e-4)  # the simulator's barriers poll: a short GIL interval makes them fast
+    try:
+        import torch
+
+        use_torch = bool(torch.cuda.is_available()) and not simulated
+    except ImportError:
+        use_torch = False
+    arrays = TorchTensors() if use_torch else NumbaArrays()
+    rng = np.random.default_rng(args.seed)
+
+    device = "Numba CUDA simulator (no GPU: timings mean nothing)" if simulated else cuda.get_current_device().name
+    if isinstance(device, bytes):
+        device = device.decode()
+    print(f"## pulsediff GPU benchmark: {device}\n")
+    print(f"launch: {K.THREADS_PER_BLOCK} threads x {K.ITEMS_PER_THREAD} items per block, at most "
+          f"{K.MAX_BLOCKS} blocks; tensors as {arrays.what}; medians of {args.repeats} after a warm-up")
+
+    table("Copy bandwidth", ["what", "bytes", "ms", "GB/s"], copy_bandwidth(args.copy_mib, args.repeats))
+    rows, ok = kernel_bandwidth(args.elements, args.density, args.repeats, rng)
+    table(f"Kernels on one BF16 tensor of {args.elements:,} elements, {args.density:.0%} changed "
+          "(effective GB/s = (read + written) / time)", ["what", "bytes read", "bytes written", "ms", "GB/s"], rows)
+    print(f"\nkernel results bit for bit: {'yes' if ok else 'NO'}")
+    if args.model != "none":
+        rows, model_ok, info = model_apply(shapes, arrays, args.density, args.repeats, rng, args.live)
+        shape_name = "a toy model (--tiny)" if args.tiny else "a 7B-shaped model"
+        table(f"Applying a {args.density:.0%} patch to {shape_name} in GPU memory ({info['tensors']} tensors, "
+              f"{info['elements']:,} BF16 elements, {info['changes']:,} changes)",
+              ["what", "bytes moved host to device", "ms", "GB/s of weights", "x dense"], rows)
+        print(f"\npatched tensors bit for bit: {'yes' if model_ok else 'NO'}")
+        ok &= model_ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

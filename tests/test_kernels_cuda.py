@@ -1,0 +1,568 @@
+"""The CUDA base-context kernels of ctx-rans against the CPU kernels and the plain
+references in `tests/reference.py`, bit for bit; device arrays in and out (zero-copy);
+the ctx-rans codec made on one backend and applied on the other; scripts/bench_gpu.py.
+
+Without a GPU these run under Numba's CUDA simulator (conftest.py sets
+NUMBA_ENABLE_CUDASIM=1), where every CUDA thread is a Python thread: inputs stay
+small, and blocks are shrunk to 8 threads and 2 items so that a few hundred elements
+still span many ranges, several rounds per range (a range starts anywhere, its first
+round at the multiple of 8 below), and more ranges than blocks (the grid-stride loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reference import (apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, classes_ref, diff_compact_ref,
+                       diff_ranks_ref, gaps_to_positions_ref, scatter_ref)
+
+try:
+    from numba import config as numba_config
+    from numba import cuda as numba_cuda
+
+    SIMULATED = bool(numba_config.ENABLE_CUDASIM)
+except Exception:  # numba-cuda absent or broken
+    numba_cuda = None
+    SIMULATED = False
+
+pytestmark = pytest.mark.skipif(numba_cuda is None,
+                                reason="numba.cuda cannot be imported (install numba-cuda); CUDA backend not tested")
+
+SMALL_LAUNCH = dict(THREADS_PER_BLOCK=8, ITEMS_PER_THREAD=2, MAX_BLOCKS=4)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def launch_config(module, **settings):
+    saved = {k: getattr(module, k) for k in settings}
+    for k, v in settings.items():
+        setattr(module, k, v)
+    try:
+        yield module
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
+@contextlib.contextmanager
+def fast_simulator():
+    # The simulator's block manager busy-polls its threads at each barrier; with the
+    # default 5 ms GIL switch interval every syncthreads costs milliseconds.
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(saved)
+
+
+@pytest.fixture(scope="module")
+def cuda_k():
+    from pulsediff.kernels import cuda
+
+    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+        yield cuda
+
+
+@pytest.fixture(scope="module")
+def cpu_k():
+    from pulsediff.kernels import cpu
+
+    return cpu
+
+
+# --- inputs ------------------------------------------------------------------------
+
+
+def bf16_like(rng, n):
+    """BF16 bit patterns of weights ~ N(0, 0.02): a few exponents hold most elements
+    (neighbours share a class), most of the 256 classes are empty; some exact zeros."""
+    w = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    w[rng.random(n) < 0.02] = 0.0
+    return (w.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def f32_like(rng, n):
+    return (rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32)
+
+
+def uniform(dtype):
+    def make(rng, n):
+        return rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+
+    return make
+
+
+# (id, maker, shift, mask): ctx-rans' BF16 and F32 fields; every class of 256 hit;
+# 8-byte patterns where the class takes the sign bit's extension (shift 62, mask 7:
+# np.int64(bits) >> 62 is arithmetic); one class only (no float field).
+CASES = [
+    ("bf16", bf16_like, 7, 255),
+    ("f32", f32_like, 23, 255),
+    ("u16-uniform", uniform(np.uint16), 7, 255),
+    ("u64-sign", uniform(np.uint64), 62, 7),
+    ("u8-one-class", uniform(np.uint8), 0, 0),
+]
+CASE_IDS = [c[0] for c in CASES]
+
+
+def listed_entries(base, shift, mask, positions, ranks, rng, wide=False):
+    """What ctx-rans decode hands apply_ranked: entries grouped by class (stable), the
+    offsets of each class's entries, zigzag deltas (uint8, or uint64 with values that
+    wrap the element); and the target the reference expects."""
+    classes = np.array(classes_ref(base, shift, mask), np.int64)[positions] if positions.size else np.empty(0, np.int64)
+    order = np.argsort(classes, kind="stable")
+    offsets = np.zeros(mask + 2, np.int64)
+    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
+    if wide:
+        deltas = rng.integers(0, np.iinfo(np.uint64).max, positions.size, dtype=np.uint64, endpoint=True)
+    else:
+        deltas = rng.integers(0, 6, positions.size).astype(np.uint8)  # mostly +-1 ULP, as in RL steps
+    return offsets, ranks[order], deltas
+
+
+def pick_positions(rng, n, density):
+    if density == "all":
+        return np.arange(n, dtype=np.int64)
+    return np.flatnonzero(rng.random(n) < density).astype(np.int64)
+
+
+# --- chunk_class_starts --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_chunk_class_starts(cuda_k, cpu_k, case):
+    _, make, shift, mask = case
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 37, 301):
+        base = make(rng, n)
+        starts, sizes = cuda_k.chunk_class_starts(base, shift, mask)
+        assert starts.dtype == sizes.dtype == np.int64 and starts.shape[1] == mask + 1
+        assert starts.shape[0] == max(1, -(-n // 16))  # ranges of one 16-element tile each
+        want_starts, want_sizes = chunk_class_starts_ref(base, shift, mask, starts.shape[0])
+        np.testing.assert_array_equal(starts, want_starts)
+        np.testing.assert_array_equal(sizes, want_sizes)
+        cpu_starts, cpu_sizes = cpu_k.chunk_class_starts(base, shift, mask)
+        np.testing.assert_array_equal(cpu_sizes, sizes)
+        np.testing.assert_array_equal(cpu_starts, chunk_class_starts_ref(base, shift, mask, cpu_starts.shape[0])[0])
+
+
+def test_range_count_is_bounded_by_the_budget(cuda_k):
+    """A small budget makes few, long ranges (many rounds per range), the trailing ones
+    empty when the length does not divide; starts stay consistent for every kernel."""
+    rng = np.random.default_rng(2)
+    base = bf16_like(rng, 203)
+    positions = pick_positions(rng, base.size, 0.2)
+    with launch_config(cuda_k, CLASS_TILE_BUDGET=256 * 3):
+        starts, sizes = cuda_k.chunk_class_starts(base, 7, 255)
+        assert starts.shape == (3, 256)
+        np.testing.assert_array_equal(starts, chunk_class_starts_ref(base, 7, 255, 3)[0])
+        ranks, _ = cuda_k.class_ranks(base, 7, 255, positions)
+        want_ranks, want_sizes = class_ranks_ref(base, 7, 255, positions)
+        np.testing.assert_array_equal(ranks, want_ranks)
+        np.testing.assert_array_equal(sizes, want_sizes)
+        offsets, ranks_cm, deltas = listed_entries(base, 7, 255, positions, ranks, rng)
+        out = np.zeros_like(base)
+        applied = cuda_k.apply_ranked(base, 7, 255, starts, offsets, ranks_cm, deltas, out)
+        want, want_applied = apply_ranked_ref(base, 7, 255, offsets, ranks_cm, deltas)
+        assert applied == want_applied == positions.size
+        np.testing.assert_array_equal(out, want)
+    # 9 elements in 4 ranges of 3: the last range is empty.
+    small = bf16_like(rng, 9)
+    with launch_config(cuda_k, CLASS_TILE_BUDGET=256 * 4, ITEMS_PER_THREAD=1, THREADS_PER_BLOCK=2):
+        starts, _ = cuda_k.chunk_class_starts(small, 7, 255)
+        assert starts.shape[0] == 4
+        np.testing.assert_array_equal(starts, chunk_class_starts_ref(small, 7, 255, 4)[0])
+
+
+def test_class_field_is_checked(cuda_k):
+    base = np.zeros(4, np.uint16)
+    with pytest.raises(ValueError, match="mask"):
+        cuda_k.chunk_class_starts(base, 0, 4096)
+    with pytest.raises(ValueError, match="shift"):
+        cuda_k.class_ranks(base, 64, 0, np.zeros(0, np.int64))
+
+
+# --- class_ranks -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_class_ranks(cuda_k, cpu_k, case):
+    _, make, shift, mask = case
+    rng = np.random.default_rng(3)
+    for n, density in [(0, 0.5), (1, "all"), (120, 0.0), (301, 0.01), (301, 0.3), (77, "all")]:
+        base = make(rng, n)
+        positions = pick_positions(rng, n, density)
+        ranks, sizes = cuda_k.class_ranks(base, shift, mask, positions)
+        want_ranks, want_sizes = class_ranks_ref(base, shift, mask, positions)
+        assert ranks.dtype == sizes.dtype == np.int64
+        np.testing.assert_array_equal(ranks, want_ranks)
+        np.testing.assert_array_equal(sizes, want_sizes)
+        cpu_ranks, cpu_sizes = cpu_k.class_ranks(base, shift, mask, positions)
+        np.testing.assert_array_equal(cpu_ranks, ranks)
+        np.testing.assert_array_equal(cpu_sizes, sizes)
+
+
+def test_class_ranks_most_classes(cuda_k):
+    """mask 4095, the most classes ctx-rans allows: the shared-memory tables at their largest."""
+    rng = np.random.default_rng(4)
+    base = uniform(np.uint16)(rng, 90)
+    positions = pick_positions(rng, base.size, 0.3)
+    ranks, sizes = cuda_k.class_ranks(base, 4, 4095, positions)
+    want_ranks, want_sizes = class_ranks_ref(base, 4, 4095, positions)
+    np.testing.assert_array_equal(ranks, want_ranks)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    starts, _ = cuda_k.chunk_class_starts(base, 4, 4095)
+    offsets, ranks_cm, deltas = listed_entries(base, 4, 4095, positions, ranks, rng)
+    out = base.copy()
+    assert cuda_k.apply_ranked(out, 4, 4095, starts, offsets, ranks_cm, deltas, out) == positions.size
+    np.testing.assert_array_equal(out, apply_ranked_ref(base, 4, 4095, offsets, ranks_cm, deltas)[0])
+
+
+@pytest.mark.parametrize("positions", [[3, 2], [4, 4], [-1, 5], [5, 40]], ids=["descending", "duplicate",
+                                                                               "negative", "past-the-end"])
+def test_class_ranks_refuses_bad_positions(cuda_k, positions):
+    with pytest.raises(ValueError, match="ascending positions inside the tensor"):
+        cuda_k.class_ranks(np.arange(40, dtype=np.uint16), 7, 255, np.array(positions, np.int64))
+
+
+# --- apply_ranked --------------------------------------------------------------------
+
+
+# 8-byte elements wrap modulo 2**64 on purpose; the simulator's NumPy scalars warn of it.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_apply_ranked(cuda_k, cpu_k, case):
+    _, make, shift, mask = case
+    rng = np.random.default_rng(5)
+    # 145 and 130 elements make ranges of 15: most start mid-round.
+    for n, density, wide in [(1, "all", False), (130, 0.0, False), (301, 0.01, False), (145, 0.3, True),
+                             (77, "all", True)]:
+        base = make(rng, n)
+        positions = pick_positions(rng, n, density)
+        ranks, _ = class_ranks_ref(base, shift, mask, positions)
+        offsets, ranks_cm, deltas = listed_entries(base, shift, mask, positions, ranks, rng, wide)
+        want, want_applied = apply_ranked_ref(base, shift, mask, offsets, ranks_cm, deltas)
+        assert want_applied == positions.size
+        cuda_starts, _ = cuda_k.chunk_class_starts(base, shift, mask)
+        cpu_starts, _ = cpu_k.chunk_class_starts(base, shift, mask)
+        # Either backend's starts with either backend's apply: the rows say how the tensor is cut.
+        for starts in (cuda_starts, cpu_starts):
+            out = np.full_like(base, 0x5A)  # garbage: every element must be written
+            assert cuda_k.apply_ranked(base, shift, mask, starts, offsets, ranks_cm, deltas, out) == want_applied
+            np.testing.assert_array_equal(out, want)
+            in_place = base.copy()
+            assert cuda_k.apply_ranked(in_place, shift, mask, starts, offsets, ranks_cm, deltas,
+                                       in_place) == want_applied
+            np.testing.assert_array_equal(in_place, want)
+        out = np.full_like(base, 0x5A)
+        assert cpu_k.apply_ranked(base, shift, mask, cuda_starts, offsets, ranks_cm, deltas, out) == want_applied
+        np.testing.assert_array_equal(out, want)
+
+
+def test_apply_ranked_window_by_window(cuda_k, cpu_k):
+    """How ctx-rans decodes a tensor window by window: each window's starts offset by the
+    class counts of the windows before it, every entry given to every window; each
+    window applies exactly its own entries."""
+    rng = np.random.default_rng(12)
+    base = bf16_like(rng, 290)
+    positions = pick_positions(rng, base.size, 0.1)
+    ranks, _ = class_ranks_ref(base, 7, 255, positions)
+    offsets, ranks_cm, deltas = listed_entries(base, 7, 255, positions, ranks, rng)
+    want, want_applied = apply_ranked_ref(base, 7, 255, offsets, ranks_cm, deltas)
+    for k in (cuda_k, cpu_k):
+        seen, applied, parts = np.zeros(256, np.int64), 0, []
+        for lo in range(0, base.size, 100):
+            part = base[lo:lo + 100]
+            starts, sizes = k.chunk_class_starts(part, 7, 255)
+            starts += seen
+            out = np.empty_like(part)
+            applied += k.apply_ranked(part, 7, 255, starts, offsets, ranks_cm, deltas, out)
+            seen += sizes
+            parts.append(out)
+        assert applied == want_applied
+        np.testing.assert_array_equal(np.concatenate(parts), want)
+
+
+def test_apply_ranked_hostile_ranks_are_not_written(cuda_k, cpu_k):
+    """Ranks past their class (== its size, beyond, 2**62), negative ones, and entries of a
+    class the base does not have: never written, and the count falls short by exactly
+    those, as on the CPU backend. Writes stay inside `out` (guard bands)."""
+    rng = np.random.default_rng(6)
+    base = bf16_like(rng, 301)
+    shift, mask = 7, 255
+    positions = pick_positions(rng, base.size, 0.1)
+    ranks, sizes = class_ranks_ref(base, shift, mask, positions)
+    offsets, ranks_cm, deltas = listed_entries(base, shift, mask, positions, ranks, rng)
+    present = np.flatnonzero(sizes)
+    k_big = int(present[np.argmax(sizes[present])])
+    k_empty = int(np.flatnonzero(sizes == 0)[0])
+    # Per class, extra entries in ascending order: a negative rank first, out-of-range ones last.
+    extra = {k_big: ([-7], [int(sizes[k_big]), int(sizes[k_big]) + 3, 2**62]), k_empty: ([], [0, 5])}
+    lists_r, lists_d, new_offsets = [], [], [0]
+    for k in range(mask + 1):
+        before, after = extra.get(k, ([], []))
+        seg = ranks_cm[offsets[k]:offsets[k + 1]]
+        lists_r.append(np.concatenate([np.array(before, np.int64), seg, np.array(after, np.int64)]))
+        lists_d.append(np.concatenate([np.full(len(before), 3, np.uint8), deltas[offsets[k]:offsets[k + 1]],
+                                       np.full(len(after), 3, np.uint8)]))
+        new_offsets.append(new_offsets[-1] + lists_r[-1].size)
+    h_ranks, h_deltas, h_offsets = np.concatenate(lists_r), np.concatenate(lists_d), np.array(new_offsets, np.int64)
+    hostile = 6
+    want, want_applied = apply_ranked_ref(base, shift, mask, h_offsets, h_ranks, h_deltas)
+    assert want_applied == h_ranks.size - hostile == positions.size
+    guard = 8
+    for backend in (cuda_k, cpu_k):
+        starts, _ = backend.chunk_class_starts(base, shift, mask)
+        buf = np.full(base.size + 2 * guard, 0xA5A5, np.uint16)
+        out = buf[guard:guard + base.size]
+        applied = cuda_k.apply_ranked(base, shift, mask, starts, h_offsets, h_ranks, h_deltas, out)
+        assert applied == want_applied
+        np.testing.assert_array_equal(out, want)
+        assert (buf[:guard] == 0xA5A5).all() and (buf[-guard:] == 0xA5A5).all()
+        cpu_out = np.zeros_like(base)
+        assert cpu_k.apply_ranked(base, shift, mask, starts, h_offsets, h_ranks, h_deltas, cpu_out) == want_applied
+        np.testing.assert_array_equal(cpu_out, want)
+
+
+def test_apply_ranked_unordered_ranks_fall_short(cuda_k, cpu_k):
+    """Ranks that do not ascend strictly within a class (no decoder makes them) are never
+    all applied: the count falls short on both backends, so the caller refuses the patch."""
+    rng = np.random.default_rng(7)
+    base = bf16_like(rng, 200)
+    sizes = np.bincount(np.array(classes_ref(base, 7, 255)), minlength=256)
+    k = int(np.argmax(sizes))
+    offsets = np.zeros(257, np.int64)
+    for bad in ([5, 5], [9, 2, 9], [3, 1]):
+        offsets[k + 1:] = len(bad)
+        ranks = np.array(bad, np.int64)
+        deltas = np.full(len(bad), 2, np.uint8)
+        for backend in (cuda_k, cpu_k):
+            starts, _ = backend.chunk_class_starts(base, 7, 255)
+            out = np.zeros_like(base)
+            assert backend.apply_ranked(base, 7, 255, starts, offsets, ranks, deltas, out) < len(bad)
+
+
+def test_apply_ranked_checks_its_arguments(cuda_k):
+    base = np.zeros(10, np.uint16)
+    starts, _ = cuda_k.chunk_class_starts(base, 7, 255)
+    offsets = np.zeros(257, np.int64)
+    with pytest.raises(ValueError, match="class_offsets"):
+        cuda_k.apply_ranked(base, 7, 255, starts, offsets[:-1], np.zeros(0, np.int64), np.zeros(0, np.uint8), base)
+    with pytest.raises(ValueError, match="columns"):
+        cuda_k.apply_ranked(base, 7, 15, starts, offsets[:17], np.zeros(0, np.int64), np.zeros(0, np.uint8), base)
+    with pytest.raises(ValueError, match="deltas"):
+        cuda_k.apply_ranked(base, 7, 255, starts, offsets, np.zeros(2, np.int64), np.zeros(1, np.uint8), base)
+
+
+def check_all_three(k, base, shift, mask, positions, rng):
+    """chunk_class_starts, class_ranks and apply_ranked (into a new buffer and in place) of
+    backend k against the references."""
+    starts, sizes = k.chunk_class_starts(base, shift, mask)
+    want_starts, want_sizes = chunk_class_starts_ref(base, shift, mask, starts.shape[0])
+    np.testing.assert_array_equal(starts, want_starts)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    ranks, sizes = k.class_ranks(base, shift, mask, positions)
+    want_ranks, _ = class_ranks_ref(base, shift, mask, positions)
+    np.testing.assert_array_equal(ranks, want_ranks)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    offsets, ranks_cm, deltas = listed_entries(base, shift, mask, positions, ranks, rng)
+    want, want_applied = apply_ranked_ref(base, shift, mask, offsets, ranks_cm, deltas)
+    out = np.zeros_like(base)
+    assert k.apply_ranked(base, shift, mask, starts, offsets, ranks_cm, deltas, out) == want_applied
+    np.testing.assert_array_equal(out, want)
+    in_place = base.copy()
+    assert k.apply_ranked(in_place, shift, mask, starts, offsets, ranks_cm, deltas, in_place) == want_applied
+    np.testing.assert_array_equal(in_place, want)
+
+
+# 256 threads (the shipped default) and 1024 give the same results, but take 15 to 40 s
+# each under the simulator: one thread, and a warp, stand for them here.
+@pytest.mark.parametrize("threads, items, max_blocks, n", [(1, 1, 2, 40), (32, 2, 3, 301)])
+def test_launch_shapes(cuda_k, threads, items, max_blocks, n):
+    rng = np.random.default_rng(threads)
+    with launch_config(cuda_k, THREADS_PER_BLOCK=threads, ITEMS_PER_THREAD=items, MAX_BLOCKS=max_blocks):
+        base = bf16_like(rng, n)
+        check_all_three(cuda_k, base, 7, 255, pick_positions(rng, n, 0.2), rng)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 120), field=st.sampled_from([(7, 255), (0, 3), (4, 0), (12, 15)]),
+       density=st.sampled_from([0.0, 0.05, 0.5, 1.0]), seed=st.integers(0, 2**32 - 1))
+def test_property_class_kernels(cuda_k, n, field, density, seed):
+    rng = np.random.default_rng(seed)
+    check_all_three(cuda_k, bf16_like(rng, n), *field, pick_positions(rng, n, density), rng)
+
+
+# --- diff_ranks (make's compare and class ranks) --------------------------------------------
+
+
+# 8-byte differences wrap modulo 2**64 on purpose; the simulator's NumPy scalars warn of it.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("case", CASES[:2] + [("u64-f64", uniform(np.uint64), 52, 2047)], ids=["bf16", "f32", "u64"])
+def test_diff_ranks(cuda_k, cpu_k, case):
+    _, make, shift, mask = case
+    rng = np.random.default_rng(13)
+    for n, density in [(0, 0.5), (5, 1.0), (150, 0.0), (150, 0.1)]:
+        old = make(rng, n)
+        new = old.copy()
+        hit = rng.random(n) < density
+        new[hit] = make(rng, int(hit.sum()))
+        if n >= 4:  # the extreme differences: +-1 and the wrap-around
+            info = np.iinfo(old.dtype)
+            new[:4] = old[:4] + np.array([1, info.max, info.max // 2 + 1, info.max // 2], old.dtype)
+        got = cuda_k.diff_ranks(old, new, shift, mask)
+        want = diff_ranks_ref(old, new, shift, mask)
+        for g, w, c in zip(got, want, cpu_k.diff_ranks(old, new, shift, mask)):
+            assert g.dtype == w.dtype == c.dtype
+            np.testing.assert_array_equal(g, w)
+            np.testing.assert_array_equal(g, c)
+    with pytest.raises(ValueError):
+        cuda_k.diff_ranks(np.zeros(4, np.uint16), np.zeros(5, np.uint16), 7, 255)
+    with pytest.raises(ValueError):
+        cuda_k.diff_ranks(np.zeros(4, np.uint16), np.zeros(4, np.uint32), 7, 255)
+
+
+# --- zero-copy: device arrays in, device arrays out ------------------------------------
+
+
+class CudaArrayExporter:
+    """Stands for a torch CUDA tensor: only `__cuda_array_interface__` (under the simulator,
+    whose device memory is host memory, the pointer is a host pointer)."""
+
+    def __init__(self, host: np.ndarray, typestr: str | None = None):
+        self.host = host  # keeps the memory alive
+        self.__cuda_array_interface__ = {"data": (host.__array_interface__["data"][0], False),
+                                         "shape": host.shape, "typestr": typestr or host.dtype.str,
+                                         "strides": None, "version": 2}
+
+
+def on_device(a) -> bool:
+    return bool(getattr(a, "__cuda_ndarray__", False))
+
+
+def test_device_arrays_stay_on_the_device(cuda_k):
+    rng = np.random.default_rng(8)
+    base = bf16_like(rng, 150)
+    positions = pick_positions(rng, base.size, 0.2)
+    d_base = numba_cuda.to_device(base)
+    starts, sizes = cuda_k.chunk_class_starts(d_base, 7, 255)
+    ranks, sizes2 = cuda_k.class_ranks(d_base, 7, 255, numba_cuda.to_device(positions))
+    assert all(on_device(a) for a in (starts, sizes, ranks, sizes2))
+    want_ranks, want_sizes = class_ranks_ref(base, 7, 255, positions)
+    np.testing.assert_array_equal(ranks.copy_to_host(), want_ranks)
+    np.testing.assert_array_equal(sizes.copy_to_host(), want_sizes)
+    np.testing.assert_array_equal(starts.copy_to_host(), chunk_class_starts_ref(base, 7, 255, starts.shape[0])[0])
+    offsets, ranks_cm, deltas = listed_entries(base, 7, 255, positions, want_ranks, rng)
+    want, want_applied = apply_ranked_ref(base, 7, 255, offsets, ranks_cm, deltas)
+    d_out = numba_cuda.device_array_like(base)
+    assert cuda_k.apply_ranked(d_base, 7, 255, starts, offsets, numba_cuda.to_device(ranks_cm),
+                               numba_cuda.to_device(deltas), d_out) == want_applied
+    np.testing.assert_array_equal(d_out.copy_to_host(), want)
+    np.testing.assert_array_equal(d_base.copy_to_host(), base)  # read, not written
+    assert cuda_k.apply_ranked(d_base, 7, 255, starts, offsets, ranks_cm, deltas, d_base) == want_applied
+    np.testing.assert_array_equal(d_base.copy_to_host(), want)
+
+
+def test_device_arrays_for_the_other_kernels(cuda_k):
+    rng = np.random.default_rng(9)
+    old = bf16_like(rng, 100)
+    new = old.copy()
+    new[rng.random(old.size) < 0.2] ^= 1
+    positions, values = cuda_k.diff_compact(numba_cuda.to_device(old), numba_cuda.to_device(new))
+    assert on_device(positions) and on_device(values)
+    want_p, want_v = diff_compact_ref(old, new)
+    np.testing.assert_array_equal(positions.copy_to_host(), want_p)
+    np.testing.assert_array_equal(values.copy_to_host(), want_v)
+    d_out = numba_cuda.to_device(old)
+    assert cuda_k.scatter(d_out, positions, values) == 0
+    np.testing.assert_array_equal(d_out.copy_to_host(), new)
+    gaps = np.diff(want_p, prepend=-1).astype(np.uint32)
+    rebuilt, bad = cuda_k.gaps_to_positions(numba_cuda.to_device(gaps))
+    assert on_device(rebuilt) and bad == gaps_to_positions_ref(gaps)[1] == 0
+    np.testing.assert_array_equal(rebuilt.copy_to_host(), want_p)
+    # Host scatter with hostile device positions: skipped and counted.
+    host_out = old.copy()
+    hostile = np.array([3, -1, 2**62, 7], np.int64)
+    vals = np.array([1, 2, 3, 4], np.uint16)
+    want_out = old.copy()
+    assert cuda_k.scatter(host_out, numba_cuda.to_device(hostile), vals) == scatter_ref(want_out, hostile, vals) == 2
+    np.testing.assert_array_equal(host_out, want_out)
+
+
+def test_cuda_array_interface_is_used_in_place(cuda_k):
+    """An exporter of `__cuda_array_interface__` (a torch CUDA tensor) is patched in its own
+    memory; bfloat16's typestr `<V2` (torch's) is read as uint16 bits."""
+    rng = np.random.default_rng(10)
+    base = bf16_like(rng, 120)
+    memory = base.copy()
+    tensor = CudaArrayExporter(memory, typestr="<V2")
+    positions = pick_positions(rng, base.size, 0.1)
+    ranks, _ = cuda_k.class_ranks(tensor, 7, 255, positions)
+    np.testing.assert_array_equal(ranks.copy_to_host(), class_ranks_ref(base, 7, 255, positions)[0])
+    starts, _ = cuda_k.chunk_class_starts(tensor, 7, 255)
+    offsets, ranks_cm, deltas = listed_entries(base, 7, 255, positions, ranks.copy_to_host(), rng)
+    want, want_applied = apply_ranked_ref(base, 7, 255, offsets, ranks_cm, deltas)
+    assert cuda_k.apply_ranked(tensor, 7, 255, starts, offsets, ranks_cm, deltas, tensor) == want_applied
+    np.testing.assert_array_equal(memory, want)  # written where the exporter's memory is: no copy
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuda_k.chunk_class_starts(numba_cuda.to_device(np.zeros((4, 4), np.uint16))[:, 1], 7, 255)
+
+
+# --- ctx-rans across backends ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype_name, make", [("BF16", bf16_like), ("F32", f32_like)], ids=["BF16", "F32"])
+def test_ctx_rans_round_trip_across_backends(cuda_k, cpu_k, dtype_name, make):
+    from pulsediff.codecs.base import SectionContext
+    from pulsediff.codecs.ctx_rans import CtxRans
+    from pulsediff.dtypes import DTYPES
+    from pulsediff.memory import Scratch
+
+    rng = np.random.default_rng(11)
+    base = make(rng, 400)
+    target = base.copy()
+    changed = rng.random(base.size) < 0.05
+    step = rng.choice(np.array([1, 1, 1, 2, np.iinfo(base.dtype).max], base.dtype), int(changed.sum()))  # -1 wraps
+    target[changed] += step
+    positions, values = diff_compact_ref(base, target)
+    codec, dtype = CtxRans(), DTYPES[dtype_name]
+    made = {name: codec.encode(base, target, positions, values, dtype=dtype, kernels=k)
+            for name, k in (("cpu", cpu_k), ("cuda", cuda_k))}
+    assert made["cpu"].parts == made["cuda"].parts and made["cpu"].params == made["cuda"].params
+    for k in (cpu_k, cuda_k):  # make's path: compare and rank in one call (kernels.diff_ranks)
+        count, paired = codec.encode_pair(base, target, dtype=dtype, kernels=k)
+        assert count == positions.size and paired.parts == made["cpu"].parts and paired.params == made["cpu"].params
+    payload, params = b"".join(made["cpu"].parts), made["cpu"].params
+    ctx = SectionContext("w", base.size, base.dtype.itemsize, "<test>")
+    for k in (cpu_k, cuda_k):
+        rebuilt = codec.decode(base, payload, params, ctx, k, Scratch())
+        np.testing.assert_array_equal(rebuilt.view(base.dtype), target)
+
+
+# --- scripts/bench_gpu.py ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not SIMULATED, reason="runs the benchmark's --tiny mode under the simulator")
+def test_bench_gpu_tiny_runs_under_the_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--tiny"], env=env,
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = result.stdout
+    assert "| what |" in out and "simulator" in out
+    for row in ("device-to-device copy", "pinned host-to-device copy", "| diff_compact |", "| scatter |",
+                "| gaps_to_positions", "| chunk_class_starts |", "| class_ranks |", "| apply_ranked in place |",
+                "dense copy from pinned host memory", "chunk_class_starts + apply_ranked in place",
+                "apply_to_state_dict` end to end"):
+        assert row in out, row
+    assert "kernel results bit for bit: yes" in out and "patched tensors bit for bit: yes" in out
