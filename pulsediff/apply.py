@@ -240,10 +240,12 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
             raise CorruptPatchError(reader.source, f"tensor {rec.name!r} is {rec.op!r} but the base lacks it")
         return view.get(rec.name).bits
 
-    def target_bits(rec: TensorRecord) -> np.ndarray:
+    def target_bits(rec: TensorRecord):
         payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
         if copy_all:
             return rebuild_tensor(rec, None, base_bits(rec), backend, reader.source, scratch)
+        if rec.op == "patch" and hasattr(get_codec(rec.section.codec), "decode_windows"):
+            return rebuild_windows(rec, payload, base_bits(rec), backend, reader.source, scratch)
         return rebuild_tensor(rec, payload, base_bits(rec) if rec.op != "full" else None, backend,
                         reader.source, scratch)
 
@@ -504,6 +506,85 @@ def _receiver_layout(base: Checkpoint, view: TensorView, final: PatchHeader) -> 
     return _TargetFiles(base.kind, files, base.index_bytes)
 
 
+# Elements per window of a windowed rebuild: 16 MiB of BF16, large enough to
+# keep every worker thread busy, small enough to stay near the cache.
+WINDOW_ELEMENTS = 1 << 23
+
+
+def rebuild_windows(rec: TensorRecord, payload: bytes, base_bits: np.ndarray, backend, source: str,
+                    scratch: Scratch) -> "Windows":
+    """One patched tensor as consecutive windows (codec.decode_windows); its hash is checked by
+    whoever consumes them (`Windows.hasher`), since it is known only after the last one."""
+    if (base_bits.size, base_bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
+        raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
+                                        f"{base_bits.dtype.itemsize} bytes, patch expects {rec.numel} of "
+                                        f"{rec.dtype.itemsize}")
+    ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
+    codec = get_codec(rec.section.codec)
+    return Windows(rec, source, codec.decode_windows(base_bits, payload, rec.section.params, ctx, backend, scratch,
+                                                     WINDOW_ELEMENTS))
+
+
+@dataclass
+class Windows:
+    """A tensor rebuilt window by window, and the check of its hash once all are seen."""
+
+    rec: TensorRecord
+    source: str
+    parts: Iterator[np.ndarray]
+
+    def __post_init__(self) -> None:
+        import xxhash
+
+        self.hasher = xxhash.xxh3_128()
+
+    def check(self) -> None:
+        if self.hasher.hexdigest() != self.rec.target_hash:
+            raise CorruptPatchError(self.source, f"tensor {self.rec.name!r} does not rebuild to its recorded hash")
+
+
+class _PipelinedWriter:
+    """Writes (and hashes) on a worker thread while the caller computes the next buffer.
+
+    At most one write is in flight: `put` first waits for the previous one, so
+    a buffer handed over is free again once the next `put` returns (windows
+    alternate between two buffers for that reason). Errors surface at the
+    next `put` or `drain`.
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-writer")
+        self._pending = None
+
+    @staticmethod
+    def _write(f, data: memoryview, hasher, then) -> None:
+        if hasher is not None:
+            hasher.update(data)
+        f.write(data)
+        if then is not None:
+            then()
+
+    def put(self, f, data: memoryview, hasher=None, then=None) -> None:
+        self.drain()
+        self._pending = self._pool.submit(self._write, f, data, hasher, then)
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the write in flight (its error is dropped: the caller is already failing
+        or has drained) and stop the thread."""
+        try:
+            self.drain()
+        except BaseException:  # noqa: BLE001
+            pass
+        self._pool.shutdown(wait=True)
+
+
 def _seekable(stream) -> bool:
     """A file on disk (random access checks its size through the descriptor)."""
     try:
@@ -521,19 +602,30 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
     """
     progress.begin("apply", sum(r.nbytes for r in header.tensors), len(header.tensors))
     rebuilt: list[TensorId] = []
+    writer = _PipelinedWriter()  # tensor data goes out while the next is rebuilt
     with StagedFiles() as staged:
         if target.kind == "dir" and not out_path.exists():
             staged.new_folder(out_path)
-        for name, raw, records in target.files:
-            with staged.open(out_path if target.kind == "file" else out_path / name, direct=True) as f:
-                f.write(len(raw).to_bytes(8, "little"))
-                f.write(raw)
-                for rec in records:
-                    bits = target_bits(rec)
-                    if bits.size:
-                        f.write(memoryview(np.ascontiguousarray(bits)).cast("B"))
-                    rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
-                    progress.advance(rec.nbytes)
+        try:
+            for name, raw, records in target.files:
+                with staged.open(out_path if target.kind == "file" else out_path / name, direct=True) as f:
+                    f.write(len(raw).to_bytes(8, "little"))
+                    f.write(raw)
+                    for rec in records:
+                        bits = target_bits(rec)
+                        if isinstance(bits, Windows):
+                            for part in bits.parts:
+                                writer.put(f, memoryview(part).cast("B"), bits.hasher)
+                            writer.put(f, memoryview(b""), bits.hasher, bits.check)
+                        elif bits.size:
+                            # a whole tensor may sit in a buffer the next rebuild reuses: no overlap
+                            writer.put(f, memoryview(np.ascontiguousarray(bits)).cast("B"))
+                            writer.drain()
+                        rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
+                        progress.advance(rec.nbytes)
+                    writer.drain()  # the file closes next
+        finally:
+            writer.close()
         if target.index is not None:
             with staged.open(out_path / INDEX_NAME) as f:
                 f.write(target.index)

@@ -12,13 +12,18 @@ from .progress import SILENT, Progress
 
 def tensor_ids(view: TensorView, progress: Progress = SILENT) -> dict[str, TensorId]:
     """Name, dtype, shape and hash of every tensor as the view sees it."""
+    from .kernels.threads import num_threads, parallel_map
+
     ckpt = view.ckpt
     progress.begin("hash", sum(ckpt.entry(n).nbytes for n in ckpt.names), len(ckpt.names))
     ids = {}
-    for name in ckpt.names:
-        t = view.get(name)
-        ids[name] = TensorId(name, t.dtype.name, t.shape, tensor_hash(t.bits))
-        progress.advance(ckpt.entry(name).nbytes)
+    names = list(ckpt.names)
+    batch = num_threads()  # tensors hashed at once (XXH3 releases the GIL); casts keep a batch in memory
+    for first in range(0, len(names), batch):
+        tensors = [view.get(name) for name in names[first:first + batch]]
+        for t, digest in zip(tensors, parallel_map(tensor_hash, [(t.bits,) for t in tensors])):
+            ids[t.name] = TensorId(t.name, t.dtype.name, t.shape, digest)
+            progress.advance(ckpt.entry(t.name).nbytes)
     progress.end()
     return ids
 

@@ -31,6 +31,7 @@ from .errors import UsageError
 from .folder_files import file_hash, folder_files, read_folder_file
 from .format import SectionRef, encode_header, encode_preamble, section_checksum
 from .kernels import get_backend
+from .kernels.threads import parallel_map
 from .patch import FILE_CODEC, LAYOUT_CODEC, FileRecord, Layout, LayoutFile, PatchHeader, TensorRecord
 from .progress import SILENT, Progress
 from .safetensors_io import build_header
@@ -162,37 +163,52 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 
     records: list[TensorRecord] = []
     base_ids: list[TensorId] = []
-    for name, stored_bytes in target.entries:
-        tgt = target.get(name)
-        tgt_hash = tensor_hash(tgt.bits)
-        base = None
-        if name in old.ckpt:
-            base = old.get(name)
-            base_hash = tensor_hash(base.bits)
-            base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
-            progress.advance(old.ckpt.entry(name).nbytes)
-            if base.dtype is not tgt.dtype or base.shape != tgt.shape:
-                base = None
-        if base is None:
-            enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
-            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
-                                  section=write_section(enc.parts, full.id, enc.params))
-        elif base_hash == tgt_hash:
-            # XXH3-128 equality stands for bit equality, as it does for the digests.
-            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash)
-        else:
-            # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
-            max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
-            changed, enc = sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
-                                              max_changed=max_changed)
-            codec, op = (sparse, "patch") if enc is not None else (full, "full")
-            if enc is None:
+    # Tensor i is encoded (its compare runs on the worker threads, its entropy coding
+    # on one) while tensor i+1 is read and hashed; sections are written in order.
+    encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu"))
+    try:
+        for name, stored_bytes in target.entries:
+            tgt = target.get(name)
+            base = old.get(name) if name in old.ckpt else None
+            if base is not None:
+                tgt_hash, base_hash = parallel_map(tensor_hash, [(tgt.bits,), (base.bits,)])
+                base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
+                progress.advance(old.ckpt.entry(name).nbytes)
+                if base.dtype is not tgt.dtype or base.shape != tgt.shape:
+                    base = None
+            else:
+                tgt_hash = tensor_hash(tgt.bits)
+            if base is None:
+                records.extend(encoder.finish())  # its section comes first
                 enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
-            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
-                                  base_hash if op == "patch" else None,
-                                  write_section(enc.parts, codec.id, enc.params))
-        records.append(record)
-        progress.advance(stored_bytes)
+                records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
+                                            section=write_section(enc.parts, full.id, enc.params)))
+            elif base_hash == tgt_hash:
+                # XXH3-128 equality stands for bit equality, as it does for the digests.
+                records.extend(encoder.finish())
+                records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash))
+            else:
+                # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
+                max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+
+                def encode(base=base, tgt=tgt, max_changed=max_changed):
+                    return sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
+                                              max_changed=max_changed)
+
+                def record_of(result, tgt=tgt, tgt_hash=tgt_hash, base_hash=base_hash) -> TensorRecord:
+                    changed, enc = result
+                    codec, op = (sparse, "patch") if enc is not None else (full, "full")
+                    if enc is None:
+                        enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+                    return TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
+                                        base_hash if op == "patch" else None,
+                                        write_section(enc.parts, codec.id, enc.params))
+
+                records.extend(encoder.submit(encode, record_of))
+            progress.advance(stored_bytes)
+        records.extend(encoder.finish())
+    finally:
+        encoder.close()
 
     removed = [n for n in old.ckpt.names if n not in target_names]
     for name in removed:
@@ -218,6 +234,40 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
         files=tuple(files),
         removed_files=tuple(removed_files),
     )
+
+
+class _Encoder:
+    """Runs one tensor's encoding on a thread of its own while the caller reads the next.
+
+    `submit` hands over the encoding of one tensor and returns the records
+    finished by then (the previous tensor's), so the caller keeps them in
+    order; `finish` waits for the one in flight. Not pipelined (`pipelined`
+    False, e.g. on the CUDA backend), each encoding runs at once.
+    """
+
+    def __init__(self, pipelined: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-encode") if pipelined else None
+        self._pending = None
+
+    def submit(self, encode, record_of) -> list[TensorRecord]:
+        done = self.finish()
+        if self._pool is None:
+            return done + [record_of(encode())]
+        self._pending = (self._pool.submit(encode), record_of)
+        return done
+
+    def finish(self) -> list[TensorRecord]:
+        if self._pending is None:
+            return []
+        future, record_of = self._pending
+        self._pending = None
+        return [record_of(future.result())]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def _diff_files(old: Checkpoint, target: TargetSource, write_section) -> tuple[list[FileRecord], list[str]]:

@@ -77,6 +77,7 @@ class Scratch:
 
     def __init__(self) -> None:
         self._bufs: dict[str, np.ndarray] = {}
+        self._turn = 0  # which of `alternate`'s two buffers comes next
 
     def take(self, count: int, dtype, slot: str = "out") -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -85,6 +86,12 @@ class Scratch:
         if buf is None or buf.nbytes < nbytes:
             buf = self._bufs[slot] = fresh_buffer(nbytes)
         return buf[:nbytes].view(dtype)
+
+    def alternate(self, count: int, dtype, slot: str) -> np.ndarray:
+        """`take` from two buffers in turn: what one call returns stays valid through the next
+        call (a writer may still be reading it while the next is filled)."""
+        self._turn ^= 1
+        return self.take(count, dtype, f"{slot}/{self._turn}")
 
     def take_copy(self, base: np.ndarray) -> np.ndarray:
         """A copy of `base` in the "out" slot; no copy at all when `base` already is that buffer

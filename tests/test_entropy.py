@@ -271,3 +271,49 @@ def test_ctx_rans_encoder_matches_plain_reference(name, dtype, n):
     enc2 = codec.encode(base, target, positions, target[positions], dtype=DTYPES[name], kernels=cpu)
     assert b"".join(enc2.parts) == expected
     assert codec.encode_pair(base, target, dtype=DTYPES[name], kernels=cpu, max_changed=changed - 1) == (changed, None)
+
+
+@pytest.mark.parametrize("window", [1, 5000, 1 << 17, 1 << 20])
+def test_ctx_rans_windowed_decode_matches_whole_decode(window):
+    """Windows (counted and rebuilt one at a time, several kernel ranges each) give the whole decode's bits."""
+    from pulsediff.codecs import get_codec
+    from pulsediff.codecs.base import SectionContext
+    from pulsediff.dtypes import DTYPES
+    from pulsediff.memory import Scratch
+
+    n = 3 * (1 << 16) + 7 if window > 1 else 3000
+    rng = np.random.default_rng(window)
+    base = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    target = base.copy()
+    hit = rng.random(n) < 0.03
+    target[hit] += np.uint16(1)
+    codec = get_codec("ctx-rans")
+    _, enc = codec.encode_pair(base, target, dtype=DTYPES["BF16"], kernels=cpu)
+    payload, ctx = b"".join(enc.parts), SectionContext("t", n, 2, "test")
+    parts = [p.copy() for p in codec.decode_windows(base, payload, enc.params, ctx, cpu, Scratch(), window)]
+    assert [p.size for p in parts] == [min(window, n - lo) for lo in range(0, n, window)]
+    assert np.array_equal(np.concatenate(parts), target)
+
+
+def test_ctx_rans_windowed_decode_refuses_a_rank_past_its_class_before_the_last_window():
+    from pulsediff.codecs import get_codec
+    from pulsediff.codecs.base import SectionContext
+    from pulsediff.dtypes import DTYPES
+    from pulsediff.errors import CorruptPatchError
+    from pulsediff.memory import Scratch
+
+    base = np.full(4000, 0x3F80, np.uint16)  # one class: rank r is element r
+    target = base.copy()
+    target[-1] += np.uint16(1)
+    codec = get_codec("ctx-rans")
+    _, enc = codec.encode_pair(base, target, dtype=DTYPES["BF16"], kernels=cpu)
+    payload, ctx = b"".join(enc.parts), SectionContext("t", 4000, 2, "test")
+    other = base.copy()
+    other[0] = 0x4080  # another exponent: the class now has 3999 elements, and rank 3999 is past its end
+    windows = codec.decode_windows(other, payload, enc.params, ctx, cpu, Scratch(), 1000)
+    got = []
+    with pytest.raises(CorruptPatchError, match="outside their class"):
+        for part in windows:
+            got.append(part)
+    assert len(got) == 3  # the fourth (last) window is never handed out
+    assert [p.size for p in codec.decode_windows(base, payload, enc.params, ctx, cpu, Scratch(), 1000)] == [1000] * 4

@@ -47,14 +47,13 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture
-def one_kernel_thread():
-    """The tensors are tiny: the parallel kernels' threads only cost time on a loaded 2-core machine."""
-    import numba
+def one_kernel_thread(monkeypatch):
+    """The tensors are tiny: worker threads only cost time on a loaded 2-core machine. Windows of
+    a few dozen elements make the windowed rebuild of apply run over many windows per tensor."""
+    import pulsediff.apply
 
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(threads)
+    monkeypatch.setenv("PULSEDIFF_THREADS", "1")
+    monkeypatch.setattr(pulsediff.apply, "WINDOW_ELEMENTS", 37)
 
 
 @pytest.mark.parametrize("kind", fc.KINDS)

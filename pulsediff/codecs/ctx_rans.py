@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -257,55 +258,44 @@ class CtxRans(Codec):
         return zigzag.size, _encode_ranked(classes, ranks, zigzag, shift, bits)
 
     def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
-        count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = _split(payload, params, ctx)
-
-        # class table
-        reader = _Reader(table, ctx, "class table")
-        listed = reader.varint(mask + 1)
-        classes = np.empty(listed, np.int64)
-        counts = np.empty(listed, np.int64)
-        ks = np.empty(listed, np.int64)
-        for m in range(listed):
-            classes[m] = reader.varint(mask)
-            counts[m] = reader.varint(count)
-            ks[m] = reader.byte()
-            if ks[m] > 62 or (m and classes[m] <= classes[m - 1]):
-                raise reader.fail("classes out of order or bad Rice parameter")
-        reader.done()
-        if int(counts.sum()) != count:
-            raise reader.fail("class counts do not add up")
-        # The value stream is independent of the positions: decode it on a second
-        # core (the entropy decoders are sequential and release the GIL).
-        symbols = scratch.take(count, np.uint8, "symbols")
-        values = _values_executor().submit(_decode_values, freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx,
-                                       symbols)
-        try:
-            # positions: ranks within classes, bounded by the tensor here and by
-            # each class's size below, once the base's classes are counted
-            ranks = scratch.take(count, np.int64, "ranks")
-            bound = np.full(listed, ctx.numel, np.int64)
-            status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, ranks, bound)
-            if status == entropy.OUT_OF_RANGE:
-                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
-            if status != entropy.OK or used != len(pos_bytes):
-                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
-            starts, sizes_all = kernels.chunk_class_starts(base, shift, mask)
-            last_ranks = ranks[np.cumsum(counts)[counts > 0] - 1]  # ranks ascend within a class
-            if (last_ranks >= sizes_all[classes[counts > 0]]).any():
-                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
-        except BaseException:
-            wait([values])  # it writes into scratch: let it finish before anything else does
-            raise
-        deltas = values.result()
-
-        offsets = np.zeros(mask + 2, np.int64)
-        per_class = np.zeros(mask + 1, np.int64)
-        per_class[classes] = counts
-        np.cumsum(per_class, out=offsets[1:])
+        # The base's classes are counted while the values decode on the other thread.
+        entries, (starts, sizes) = _decode_entries(payload, params, ctx, scratch,
+                                                   lambda shift, mask: kernels.chunk_class_starts(base, shift, mask))
+        entries.check_classes(sizes, ctx)
         out = scratch.take(base.size, base.dtype)  # may be `base` itself: a chain decodes in place
-        if kernels.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) != count:
+        if kernels.apply_ranked(base, entries.shift, entries.mask, starts, entries.offsets, entries.ranks,
+                                entries.deltas, out) != entries.count:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
+
+    def decode_windows(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch,
+                       window: int):
+        """The target bits as consecutive windows of `window` elements (the last may be shorter).
+
+        Each window is counted (class histogram) and rebuilt while it is hot in
+        the cache, so the base is read from memory once; memory stays at two
+        windows whatever the tensor's size. Windows come from
+        `scratch.alternate`: one stays valid while the next is made. The
+        class-size and count checks run before the last window is yielded.
+        """
+        entries, _ = _decode_entries(payload, params, ctx, scratch)
+        seen = np.zeros(entries.mask + 1, np.int64)  # class sizes of the windows so far
+        applied = 0
+        for lo in range(0, base.size, window):
+            part = base[lo:lo + window]
+            starts, sizes = kernels.chunk_class_starts(part, entries.shift, entries.mask)
+            starts += seen
+            out = scratch.alternate(part.size, base.dtype, "window")
+            applied += kernels.apply_ranked(part, entries.shift, entries.mask, starts, entries.offsets, entries.ranks,
+                                            entries.deltas, out)
+            seen += sizes
+            if lo + window >= base.size:
+                entries.check_classes(seen, ctx)
+                if applied != entries.count:
+                    raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
+            yield out
+        if base.size == 0 and entries.count:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
 
     def value_deltas(self, payload, params, ctx: SectionContext) -> np.ndarray:
         """Signed bit-pattern differences of the changed elements (no base needed)."""
@@ -356,6 +346,72 @@ def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, s
         "frequency_bytes": len(parts[2]), "value_bytes": len(parts[3]), "escapes": int(escapes.size),
     }
     return Encoded(parts, params, index_bytes=len(parts[0]) + len(parts[1]))
+
+
+@dataclass
+class _Entries:
+    """A section's changed elements, class-major: rank in class and zigzag delta of each."""
+
+    count: int
+    shift: int
+    mask: int
+    classes: np.ndarray  # listed classes, ascending
+    counts: np.ndarray  # changed elements per listed class
+    ranks: np.ndarray
+    deltas: np.ndarray
+    offsets: np.ndarray  # offsets[c]: first entry of class c (mask + 2 entries)
+
+    def check_classes(self, sizes: np.ndarray, ctx: SectionContext) -> None:
+        """Every rank must fall inside its class of the base (sizes: the base's class sizes)."""
+        listed = self.counts > 0
+        last_ranks = self.ranks[np.cumsum(self.counts)[listed] - 1]  # ranks ascend within a class
+        if (last_ranks >= sizes[self.classes[listed]]).any():
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
+
+
+def _decode_entries(payload: bytes, params: dict, ctx: SectionContext, scratch: Scratch, during=None):
+    """Decode a section's class table, ranks and deltas; `during(shift, mask)`, if given,
+    runs on this thread while the values decode on another. Returns (entries, its result)."""
+    count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = _split(payload, params, ctx)
+    reader = _Reader(table, ctx, "class table")
+    listed = reader.varint(mask + 1)
+    classes = np.empty(listed, np.int64)
+    counts = np.empty(listed, np.int64)
+    ks = np.empty(listed, np.int64)
+    for m in range(listed):
+        classes[m] = reader.varint(mask)
+        counts[m] = reader.varint(count)
+        ks[m] = reader.byte()
+        if ks[m] > 62 or (m and classes[m] <= classes[m - 1]):
+            raise reader.fail("classes out of order or bad Rice parameter")
+    reader.done()
+    if int(counts.sum()) != count:
+        raise reader.fail("class counts do not add up")
+    # The value stream is independent of the positions: decode it on a second
+    # core (the entropy decoders are sequential and release the GIL).
+    symbols = scratch.take(count, np.uint8, "symbols")
+    values = _values_executor().submit(_decode_values, freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx,
+                                       symbols)
+    try:
+        # positions: ranks within classes, bounded by the tensor here and by
+        # each class's size once the base's classes are counted
+        ranks = scratch.take(count, np.int64, "ranks")
+        bound = np.full(listed, ctx.numel, np.int64)
+        status, used = entropy.rice_decode(np.frombuffer(pos_bytes, np.uint8), ks, counts, ranks, bound)
+        if status == entropy.OUT_OF_RANGE:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
+        if status != entropy.OK or used != len(pos_bytes):
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
+        extra = during(shift, mask) if during is not None else None
+    except BaseException:
+        wait([values])  # it writes into scratch: let it finish before anything else does
+        raise
+    deltas = values.result()
+    offsets = np.zeros(mask + 2, np.int64)
+    per_class = np.zeros(mask + 1, np.int64)
+    per_class[classes] = counts
+    np.cumsum(per_class, out=offsets[1:])
+    return _Entries(count, shift, mask, classes, counts, ranks, deltas, offsets), extra
 
 
 def _split(payload: bytes, params: dict, ctx: SectionContext):
