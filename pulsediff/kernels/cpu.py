@@ -208,7 +208,7 @@ def chunk_class_starts(base: np.ndarray, shift: int, mask: int) -> tuple[np.ndar
     The number of rows fixes how `apply_ranked` cuts the tensor into ranges.
     """
     n = base.size
-    ranges = chunk_ranges(n, chunk_count(n))
+    ranges = chunk_ranges(n, chunk_count(n) * _STREAMS)  # apply_ranked walks them four at a time
     hist = np.zeros((len(ranges), mask + 1), np.int64)
     parallel_map(_class_histogram_range, [(base, lo, hi, shift, mask, hist[c]) for c, (lo, hi) in enumerate(ranges)])
     return _exclusive_scan_rows(hist), hist.sum(axis=0)
@@ -251,45 +251,62 @@ def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) 
 def _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist):
     # Compare, class histogram and class ranks in one read of the pair. Writes
     # at most zigzag.size entries and counts them all (like _compact_range).
-    # The difference of bit patterns, new - old modulo 2**width read as signed,
-    # is stored zigzag-mapped (0, -1, 1, -2 -> 0, 1, 2, 3): a width-bit value.
+    # Four lanes of counters (element i counts in lane i % 4): neighbouring
+    # weights mostly share an exponent, and one counter would serialise on its
+    # own store-to-load latency; the rank of a changed element is the sum of
+    # the lanes. Groups of four without a change (~92% at 2% density) are
+    # found with one test. The difference of bit patterns, new - old modulo
+    # 2**width read as signed, is stored zigzag-mapped (0, -1, 1, -2 -> 0, 1,
+    # 2, 3): a width-bit value.
     ncls = mask + 1
     width = old.itemsize * 8
     wmask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     top = np.uint64(width - 1)
     one = np.uint64(1)
     cap = zigzag.size
-    sub = np.zeros((4, ncls), np.int64)
+    s0 = np.zeros(ncls, np.int64); s1 = np.zeros(ncls, np.int64); s2 = np.zeros(ncls, np.int64); s3 = np.zeros(ncls, np.int64)
     k = 0
     i = lo
-    while i < hi:
-        if i + 4 <= hi and old[i] == new[i] and old[i + 1] == new[i + 1] and old[i + 2] == new[i + 2] \
-                and old[i + 3] == new[i + 3]:
-            sub[0, (np.int64(old[i]) >> shift) & mask] += 1
-            sub[1, (np.int64(old[i + 1]) >> shift) & mask] += 1
-            sub[2, (np.int64(old[i + 2]) >> shift) & mask] += 1
-            sub[3, (np.int64(old[i + 3]) >> shift) & mask] += 1
+    while i + 4 <= hi:
+        a0 = old[i]; a1 = old[i + 1]; a2 = old[i + 2]; a3 = old[i + 3]
+        x = (a0 ^ new[i]) | (a1 ^ new[i + 1]) | (a2 ^ new[i + 2]) | (a3 ^ new[i + 3])
+        c0 = (np.int64(a0) >> shift) & mask
+        c1 = (np.int64(a1) >> shift) & mask
+        c2 = (np.int64(a2) >> shift) & mask
+        c3 = (np.int64(a3) >> shift) & mask
+        if x == 0:
+            s0[c0] += 1; s1[c1] += 1; s2[c2] += 1; s3[c3] += 1
             i += 4
             continue
-        # A group of four with a change (or the tail): element by element, same lanes.
-        end = min(i + 4, hi)
-        lane = 0
-        while i < end:
-            a = old[i]
-            b = new[i]
+        for j in range(4):  # a group with a change: element by element, same lanes
+            a = old[i]; b = new[i]
             c = (np.int64(a) >> shift) & mask
             if a != b:
                 if k < cap:
                     d = (np.uint64(b) - np.uint64(a)) & wmask
                     zigzag[k] = ((d << one) ^ (np.uint64(0) - (d >> top))) & wmask
                     classes[k] = c
-                    ranks[k] = sub[0, c] + sub[1, c] + sub[2, c] + sub[3, c]
+                    ranks[k] = s0[c] + s1[c] + s2[c] + s3[c]
                 k += 1
-            sub[lane, c] += 1
-            lane += 1
+            if j == 0: s0[c] += 1
+            elif j == 1: s1[c] += 1
+            elif j == 2: s2[c] += 1
+            else: s3[c] += 1
             i += 1
+    while i < hi:
+        a = old[i]; b = new[i]
+        c = (np.int64(a) >> shift) & mask
+        if a != b:
+            if k < cap:
+                d = (np.uint64(b) - np.uint64(a)) & wmask
+                zigzag[k] = ((d << one) ^ (np.uint64(0) - (d >> top))) & wmask
+                classes[k] = c
+                ranks[k] = s0[c] + s1[c] + s2[c] + s3[c]
+            k += 1
+        s0[c] += 1
+        i += 1
     for c in range(ncls):
-        hist[c] = sub[0, c] + sub[1, c] + sub[2, c] + sub[3, c]
+        hist[c] = s0[c] + s1[c] + s2[c] + s3[c]
     return k
 
 
@@ -327,37 +344,158 @@ def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
             np.concatenate([p[2] for p in parts]), hist.sum(axis=0))
 
 
+# The ranked apply walks four ranges in lockstep, each with its own counters:
+# one walk is a chain of dependent load-increment-store steps on the counter
+# of its current class (neighbouring weights mostly share an exponent), so it
+# runs at the store-to-load forwarding latency; four independent chains
+# overlap (measured 1.6x faster than one on the 2-core VM).
+_STREAMS = 4
+
+
 @njit(cache=True, nogil=True)
-def _apply_ranked_range(base, lo, hi, shift, mask, counter, class_offsets, ranks, deltas, out, in_place):
-    # Into another buffer, every element of `out` is written (the copy of the base
-    # rides along with the walk instead of being a pass of its own); in place, only
-    # the changed ones (rewriting the rest would double the memory traffic).
-    ncls = mask + 1
+def _next_listed(counter, class_offsets, ranks, ncls):
+    """Per class: the first listed entry at or past the counter, and its rank (-1: none left)."""
     ptr = np.empty(ncls, np.int64)
-    nxt = np.empty(ncls, np.int64)  # rank of the next listed element of each class, -1 if none
+    nxt = np.empty(ncls, np.int64)
     for k in range(ncls):
         a = class_offsets[k]
         b = class_offsets[k + 1]
         ptr[k] = a + np.searchsorted(ranks[a:b], counter[k])
         nxt[k] = ranks[ptr[k]] if ptr[k] < b else -1
+    return ptr, nxt
+
+
+@njit(cache=True, nogil=True)
+def _apply_ranked_streams(base, los, his, shift, mask, counters, class_offsets, ranks, deltas, out, in_place):
+    # Ranges s = 0..3 ([los[s], his[s]), class counts before each in counters[s]),
+    # walked together for as long as all last, then each to its end. Each step
+    # loads and bumps the four counters first and tests for a listed element
+    # once (rare: ~1 in 50), which lets the four chains overlap; the step is
+    # written out per stream because a helper call per element would cost
+    # reference counting on every array it passes.
+    # Into another buffer, every element of `out` is written (the copy of the base
+    # rides along with the walk instead of being a pass of its own); in place, only
+    # the changed ones (rewriting the rest would double the memory traffic).
+    ncls = mask + 1
+    one, zero = np.uint64(1), np.uint64(0)
+    c0, c1, c2, c3 = counters[0].copy(), counters[1].copy(), counters[2].copy(), counters[3].copy()
+    p0, n0 = _next_listed(c0, class_offsets, ranks, ncls)
+    p1, n1 = _next_listed(c1, class_offsets, ranks, ncls)
+    p2, n2 = _next_listed(c2, class_offsets, ranks, ncls)
+    p3, n3 = _next_listed(c3, class_offsets, ranks, ncls)
+    a0, a1, a2, a3 = los[0], los[1], los[2], los[3]
+    common = min(his[0] - a0, his[1] - a1, his[2] - a2, his[3] - a3)
     done = 0
-    for i in range(lo, hi):
-        v = base[i]
-        cls = (np.int64(v) >> shift) & mask
-        r = counter[cls]
-        counter[cls] = r + 1
-        if r == nxt[cls]:
-            p = ptr[cls]
+    for t in range(common):
+        i0, i1, i2, i3 = a0 + t, a1 + t, a2 + t, a3 + t
+        v0, v1, v2, v3 = base[i0], base[i1], base[i2], base[i3]
+        k0 = (np.int64(v0) >> shift) & mask
+        k1 = (np.int64(v1) >> shift) & mask
+        k2 = (np.int64(v2) >> shift) & mask
+        k3 = (np.int64(v3) >> shift) & mask
+        r0, r1, r2, r3 = c0[k0], c1[k1], c2[k2], c3[k3]
+        c0[k0] = r0 + 1
+        c1[k1] = r1 + 1
+        c2[k2] = r2 + 1
+        c3[k3] = r3 + 1
+        if not in_place:
+            out[i0] = v0
+            out[i1] = v1
+            out[i2] = v2
+            out[i3] = v3
+        if r0 == n0[k0] or r1 == n1[k1] or r2 == n2[k2] or r3 == n3[k3]:
+            if r0 == n0[k0]:
+                p = p0[k0]
+                z = np.uint64(deltas[p])
+                p += 1
+                p0[k0] = p
+                n0[k0] = ranks[p] if p < class_offsets[k0 + 1] else -1
+                out[i0] = v0 + ((z >> one) ^ (zero - (z & one)))  # un-zigzag; wraps modulo 2**width
+                done += 1
+            if r1 == n1[k1]:
+                p = p1[k1]
+                z = np.uint64(deltas[p])
+                p += 1
+                p1[k1] = p
+                n1[k1] = ranks[p] if p < class_offsets[k1 + 1] else -1
+                out[i1] = v1 + ((z >> one) ^ (zero - (z & one)))  # un-zigzag; wraps modulo 2**width
+                done += 1
+            if r2 == n2[k2]:
+                p = p2[k2]
+                z = np.uint64(deltas[p])
+                p += 1
+                p2[k2] = p
+                n2[k2] = ranks[p] if p < class_offsets[k2 + 1] else -1
+                out[i2] = v2 + ((z >> one) ^ (zero - (z & one)))  # un-zigzag; wraps modulo 2**width
+                done += 1
+            if r3 == n3[k3]:
+                p = p3[k3]
+                z = np.uint64(deltas[p])
+                p += 1
+                p3[k3] = p
+                n3[k3] = ranks[p] if p < class_offsets[k3 + 1] else -1
+                out[i3] = v3 + ((z >> one) ^ (zero - (z & one)))  # un-zigzag; wraps modulo 2**width
+                done += 1
+    for i0 in range(a0 + common, his[0]):
+        v0 = base[i0]
+        k0 = (np.int64(v0) >> shift) & mask
+        r0 = c0[k0]
+        c0[k0] = r0 + 1
+        if not in_place:
+            out[i0] = v0
+        if r0 == n0[k0]:
+            p = p0[k0]
             z = np.uint64(deltas[p])
-            d = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))  # un-zigzag, mod 2**64
-            v = v + d  # wraps modulo 2**width: exact integer arithmetic on bit patterns
             p += 1
-            ptr[cls] = p
-            nxt[cls] = ranks[p] if p < class_offsets[cls + 1] else -1
+            p0[k0] = p
+            n0[k0] = ranks[p] if p < class_offsets[k0 + 1] else -1
+            out[i0] = v0 + ((z >> one) ^ (zero - (z & one)))
             done += 1
-            out[i] = v
-        elif not in_place:
-            out[i] = v
+    for i1 in range(a1 + common, his[1]):
+        v1 = base[i1]
+        k1 = (np.int64(v1) >> shift) & mask
+        r1 = c1[k1]
+        c1[k1] = r1 + 1
+        if not in_place:
+            out[i1] = v1
+        if r1 == n1[k1]:
+            p = p1[k1]
+            z = np.uint64(deltas[p])
+            p += 1
+            p1[k1] = p
+            n1[k1] = ranks[p] if p < class_offsets[k1 + 1] else -1
+            out[i1] = v1 + ((z >> one) ^ (zero - (z & one)))
+            done += 1
+    for i2 in range(a2 + common, his[2]):
+        v2 = base[i2]
+        k2 = (np.int64(v2) >> shift) & mask
+        r2 = c2[k2]
+        c2[k2] = r2 + 1
+        if not in_place:
+            out[i2] = v2
+        if r2 == n2[k2]:
+            p = p2[k2]
+            z = np.uint64(deltas[p])
+            p += 1
+            p2[k2] = p
+            n2[k2] = ranks[p] if p < class_offsets[k2 + 1] else -1
+            out[i2] = v2 + ((z >> one) ^ (zero - (z & one)))
+            done += 1
+    for i3 in range(a3 + common, his[3]):
+        v3 = base[i3]
+        k3 = (np.int64(v3) >> shift) & mask
+        r3 = c3[k3]
+        c3[k3] = r3 + 1
+        if not in_place:
+            out[i3] = v3
+        if r3 == n3[k3]:
+            p = p3[k3]
+            z = np.uint64(deltas[p])
+            p += 1
+            p3[k3] = p
+            n3[k3] = ranks[p] if p < class_offsets[k3 + 1] else -1
+            out[i3] = v3 + ((z >> one) ^ (zero - (z & one)))
+            done += 1
     return done
 
 
@@ -365,16 +503,22 @@ def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -
     """Write base + deltas into `out` (every element: `out` need not be initialised, or may be
     `base` itself); returns how many (class, rank) entries were applied.
 
-    `starts` comes from this backend's `chunk_class_starts` on the same base: its
-    rows say how the tensor is cut into ranges.
+    `starts` comes from `chunk_class_starts` on the same base: its rows say
+    how the tensor is cut into ranges (either backend's rows will do).
     """
     if base.size == 0:
         return 0
     in_place = out.__array_interface__["data"][0] == base.__array_interface__["data"][0]
     ranges = chunk_ranges(base.size, starts.shape[0])
-    done = parallel_map(_apply_ranked_range, [(base, lo, hi, shift, mask, starts[c].copy(), class_offsets, ranks,
-                                               deltas, out, in_place) for c, (lo, hi) in enumerate(ranges)])
-    return int(sum(done))
+    tasks = []
+    for first in range(0, len(ranges), _STREAMS):
+        group = ranges[first:first + _STREAMS]
+        counters = np.zeros((_STREAMS, mask + 1), np.int64)
+        counters[:len(group)] = starts[first:first + len(group)]
+        group += [(base.size, base.size)] * (_STREAMS - len(group))  # empty ranges pad the last group
+        tasks.append((base, np.array([lo for lo, _ in group], np.int64), np.array([hi for _, hi in group], np.int64),
+                      shift, mask, counters, class_offsets, ranks, deltas, out, in_place))
+    return int(sum(parallel_map(_apply_ranked_streams, tasks)))
 
 
 @njit(cache=True, nogil=True)
