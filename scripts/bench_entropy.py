@@ -7,10 +7,11 @@ fraction D changed by one unit in the last place (1 in 200 of them by a far
 jump, so the escape path runs too): what an RL step does. One thread
 (PULSEDIFF_THREADS=1), so the figures are per core.
 
-  encode  the section from the changed elements' positions and values:
-          codec.encode() minus the class-rank walk over the tensor
-          (kernels.class_ranks, timed alone), i.e. class-major ordering,
-          Rice parameters, Rice and rANS coding
+  encode  the section from a base and target, minus the walk over the
+          tensor that finds the changed elements' ranks (timed alone):
+          codec.encode_pair() - kernels.diff_ranks() where the codec has
+          the fused compare, else codec.encode() - kernels.class_ranks(),
+          i.e. class-major ordering, Rice parameters, Rice and rANS coding
   decode  Rice decoding of the ranks and rANS decoding of the values, as
           codec.decode() calls them (one after the other here)
 
@@ -54,12 +55,20 @@ def measure(elements: int, density: float, seed: int) -> dict:
     codec = get_codec("ctx-rans")
     bf16 = DTYPES["BF16"]
 
-    t = time.perf_counter()
-    enc = codec.encode(base, target, positions, values, dtype=bf16, kernels=kernels)
-    encode_s = time.perf_counter() - t
-    t = time.perf_counter()
-    kernels.class_ranks(base, 7, 255, positions)
-    ranks_s = time.perf_counter() - t
+    if hasattr(codec, "encode_pair"):  # make's path since the fused compare: diff_ranks, then the coders
+        t = time.perf_counter()
+        _, enc = codec.encode_pair(base, target, dtype=bf16, kernels=kernels)
+        encode_s = time.perf_counter() - t
+        t = time.perf_counter()
+        kernels.diff_ranks(base, target, 7, 255)
+        ranks_s = time.perf_counter() - t
+    else:  # before: diff_compact found the positions, encode walked the tensor for their ranks
+        t = time.perf_counter()
+        enc = codec.encode(base, target, positions, values, dtype=bf16, kernels=kernels)
+        encode_s = time.perf_counter() - t
+        t = time.perf_counter()
+        kernels.class_ranks(base, 7, 255, positions)
+        ranks_s = time.perf_counter() - t
 
     payload = b"".join(enc.parts)
     ctx = SectionContext("t", elements, 2, "bench")

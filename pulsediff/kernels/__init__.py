@@ -1,8 +1,9 @@
 """Kernel backends and the one place that picks between them.
 
 A backend is a module providing every function of the `Backend` contract
-below, taking and returning NumPy arrays: `kernels.cpu` (Numba parallel CPU)
-and `kernels.cuda` (Numba CUDA). Codecs call kernels only through the backend
+below, taking and returning NumPy arrays: `kernels.cpu` (serial Numba kernels
+run on worker threads, see threads.py) and `kernels.cuda` (Numba CUDA, which
+also takes device arrays and returns them, without copies). Codecs call kernels only through the backend
 they are handed, never by importing one. Importing this package imports
 neither backend, so `pulsediff --help` and CPU-only machines never pay for,
 or fail on, CUDA.

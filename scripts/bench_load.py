@@ -1,0 +1,75 @@
+"""make on a busy machine: its time with competing CPU-bound processes against its idle time.
+
+    python scripts/bench_load.py --old OLD --new NEW [--competitors 2] [--repeats 5] [--src DIR ...]
+
+Inference workers and trainers are busy machines: pulsediff must slow down at
+most in proportion to the load, never by spinning threads fighting for the
+cores (issue 13 measured 8x with Numba's OpenMP layer). Each repetition runs
+`pulsediff make OLD NEW` idle, then again while `--competitors` processes
+spin on the CPU, for every source tree given (alternating, so drift hits all
+alike), and prints the medians and the loaded/idle ratio. With two
+competitors on two cores a fair scheduler gives make half the machine, so a
+ratio near 2 is the proportional slowdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ("import sys; src = sys.argv.pop(1); "
+          "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+          "sys.path.insert(0, src); from pulsediff.cli.main import main; sys.exit(main())")
+
+
+def run_make(tree: Path, old: Path, new: Path, out: Path) -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", LAUNCH, str(tree), "make", str(old), str(new), "-o", str(out), "-f", "-q"],
+                   check=True)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", type=Path, required=True)
+    ap.add_argument("--new", type=Path, required=True)
+    ap.add_argument("--competitors", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--src", action="append", type=Path, help="source tree to run pulsediff from (repeatable)")
+    args = ap.parse_args()
+    trees = args.src or [ROOT]
+    times = {(str(t), mode): [] for t in trees for mode in ("idle", "loaded")}
+    with tempfile.TemporaryDirectory() as work:
+        out = Path(work) / "p.pulsediff"
+        for tree in trees:  # warm-up: JIT caches, page cache
+            run_make(tree, args.old, args.new, out)
+        for _ in range(args.repeats):
+            for tree in trees:
+                times[(str(tree), "idle")].append(run_make(tree, args.old, args.new, out))
+                spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                            for _ in range(args.competitors)]
+                try:
+                    time.sleep(0.5)  # let them get going
+                    times[(str(tree), "loaded")].append(run_make(tree, args.old, args.new, out))
+                finally:
+                    for p in spinners:
+                        p.kill()
+                        p.wait()
+    print(f"make {args.old.name} -> {args.new.name}, medians of {args.repeats}, "
+          f"{args.competitors} competing CPU-bound processes when loaded\n")
+    print("| source | idle s | loaded s | loaded / idle |")
+    print("|---|---:|---:|---:|")
+    for tree in trees:
+        idle = statistics.median(times[(str(tree), "idle")])
+        loaded = statistics.median(times[(str(tree), "loaded")])
+        print(f"| {tree} | {idle:.2f} | {loaded:.2f} | {loaded / idle:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
