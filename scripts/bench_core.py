@@ -2,6 +2,7 @@
 
     python scripts/bench_core.py --old OLD --new NEW [--repeats 3] [--json FILE]
     python scripts/bench_core.py --gb 1.0 [--density 0.01] [--shards N]
+    ... [--baseline-src DIR]    also an older checkout's make and apply, alternating
 
 Each repetition runs, in subprocesses:
 
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, help="where outputs (and a generated pair) go; default: a new temp folder")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     ap.add_argument("--pulsediff", help="command to run instead of the installed `pulsediff`")
+    ap.add_argument("--baseline-src", type=Path,
+                    help="also run make and apply from this source tree (e.g. a `git worktree` of an older "
+                         "commit), alternating with the installed one, for a before/after ratio")
     ap.add_argument("--make-arg", action="append", default=[], help="extra argument for `pulsediff make` (repeatable)")
     ap.add_argument("--apply-arg", action="append", default=[], help="extra argument for `pulsediff apply` (repeatable)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up round")
@@ -201,6 +205,20 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
         Op("make", [*pulsediff, "make", str(old), str(new), "-o", str(patch), "-q", *args.make_arg], [patch]),
         Op("apply", [*pulsediff, "apply", str(old), str(patch), "-o", str(out), "-q", *args.apply_arg], [out]),
     ]
+    baseline_out = None
+    if args.baseline_src is not None:
+        # The tree's own package, not the installed (possibly editable) one.
+        before = [sys.executable, "-c", "import sys; src = sys.argv.pop(1); sys.meta_path[:] = [f for f in "
+                  "sys.meta_path if 'editable' not in repr(f).lower()]; sys.path.insert(0, src); "
+                  "from pulsediff.cli.main import main; sys.exit(main())", str(args.baseline_src.resolve())]
+        baseline_patch = work / "baseline.pulsediff"
+        baseline_out = work / ("baseline-out" + ("" if new.is_dir() else ".safetensors"))
+        ops += [
+            Op("make (baseline)", [*before, "make", str(old), str(new), "-o", str(baseline_patch), "-q"],
+               [baseline_patch]),
+            Op("apply (baseline)", [*before, "apply", str(old), str(baseline_patch), "-o", str(baseline_out), "-q"],
+               [baseline_out]),
+        ]
     by_name = {op.name: op for op in ops}
 
     time_cmd = gnu_time()
@@ -222,7 +240,7 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
             dt, rss = run(op)
             op.times.append(dt)
             op.peak_rss_kib.append(rss)
-        same = identical(out, new)
+        same = identical(out, new) and (baseline_out is None or identical(baseline_out, new))
         cmp_ok &= same
         print(f"repeat {r + 1}/{args.repeats}: make {by_name['make'].times[-1]:.2f} s, "
               f"apply {by_name['apply'].times[-1]:.2f} s, cmp OUT NEW: {'ok' if same else 'DIFFERENT'}",
@@ -241,6 +259,9 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
         "make_over_cat": by_name["make"].median / by_name["cat OLD NEW"].median,
         "apply_over_cp": by_name["apply"].median / by_name["cp NEW"].median,
         "apply_over_cp_sync": by_name["apply"].median / by_name["cp NEW + sync"].median,
+        "baseline": {"src": str(args.baseline_src), "make_over_baseline": by_name["make"].median / by_name[
+            "make (baseline)"].median, "apply_over_baseline": by_name["apply"].median / by_name[
+            "apply (baseline)"].median} if baseline_out is not None else None,
         "generated": generated,
         "env": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
                 "pulsediff": pulsediff, "workdir_fs": fs_type(work), "loadavg": os.getloadavg()},
@@ -264,16 +285,19 @@ def render(r: dict, ops: list[Op]) -> None:
     print(f"wall time includes process start-up; peak RSS from {r['rss_source']}, "
           f"memory-mapped file pages included")
     print()
-    head = f"{'command':<16} {'median s':>9} {'min s':>8} {'max s':>8} {'GB/s of NEW':>12} {'peak RSS MiB':>13}"
+    head = f"{'command':<18} {'median s':>9} {'min s':>8} {'max s':>8} {'GB/s of NEW':>12} {'peak RSS MiB':>13}"
     print(head)
     print("-" * len(head))
     for op in ops:
-        print(f"{op.name:<16} {op.median:>9.3f} {min(op.times):>8.3f} {max(op.times):>8.3f} "
+        print(f"{op.name:<18} {op.median:>9.3f} {min(op.times):>8.3f} {max(op.times):>8.3f} "
               f"{r['new_bytes'] / 1e9 / op.median:>12.2f} {max(op.peak_rss_kib) / 1024:>13.0f}")
     print()
     print(f"make / cat       {r['make_over_cat']:.2f}x   (cat reads OLD and NEW, as make does)")
     print(f"apply / cp       {r['apply_over_cp']:.2f}x   (cp leaves its copy in the page cache)")
     print(f"apply / cp+sync  {r['apply_over_cp_sync']:.2f}x   (pulsediff apply fsyncs its output)")
+    if r["baseline"]:
+        print(f"make / baseline  {r['baseline']['make_over_baseline']:.2f}x   (baseline: {r['baseline']['src']})")
+        print(f"apply / baseline {r['baseline']['apply_over_baseline']:.2f}x")
     print(f"cmp OUT NEW      {'identical' if r['cmp_ok'] else 'DIFFERENT'}")
 
 

@@ -75,7 +75,7 @@ def _compact_chunk(old, new, lo, hi):
     if k > positions.size:
         positions, values = np.empty(k, np.int64), np.empty(k, new.dtype)
         _compact_range(old, new, lo, hi, positions, values)
-    return positions[:k], values[:k]
+    return positions[:k].copy(), values[:k].copy()  # copies: the range's buffer is freed now
 
 
 def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -315,8 +315,8 @@ def _diff_ranks_chunk(old, new, lo, hi, shift, mask, hist):
     while True:
         zigzag, classes, ranks = np.empty(cap, old.dtype), np.empty(cap, np.uint16), np.empty(cap, np.int64)
         k = _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist)
-        if k <= cap:
-            return zigzag[:k], classes[:k], ranks[:k]
+        if k <= cap:  # copies: the range's buffer is freed now, not when the whole tensor is done
+            return zigzag[:k].copy(), classes[:k].copy(), ranks[:k].copy()
         cap = k  # denser than the buffer: read the range again into one of the counted size
 
 
