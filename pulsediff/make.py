@@ -163,8 +163,9 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 
     records: list[TensorRecord] = []
     base_ids: list[TensorId] = []
-    # Tensor i is encoded (its compare runs on the worker threads, its entropy coding
-    # on one) while tensor i+1 is read and hashed; sections are written in order.
+    # Tensors are encoded side by side (their compares on the kernel threads, each
+    # one's entropy coding on a thread of its own) while the next are read and
+    # hashed; sections are written in order.
     encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu"))
     try:
         for name, stored_bytes in target.entries:
@@ -204,7 +205,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
                                         base_hash if op == "patch" else None,
                                         write_section(enc.parts, codec.id, enc.params))
 
-                records.extend(encoder.submit(encode, record_of))
+                records.extend(encoder.submit(encode, record_of, tgt.bits.nbytes + base.bits.nbytes))
             progress.advance(stored_bytes)
         records.extend(encoder.finish())
     finally:
@@ -237,36 +238,52 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 
 
 class _Encoder:
-    """Runs one tensor's encoding on a thread of its own while the caller reads the next.
+    """Encodes tensors on threads of their own while the caller reads the next ones.
 
-    `submit` hands over the encoding of one tensor and returns the records
-    finished by then (the previous tensor's), so the caller keeps them in
-    order; `finish` waits for the one in flight. Not pipelined (`pipelined`
-    False, e.g. on the CUDA backend), each encoding runs at once.
+    The entropy coders are sequential per tensor, so tensors are coded side
+    by side, as many at once as there are worker threads (their compares
+    share the kernel threads). `submit` hands over one tensor and returns the
+    records finished by then, oldest first, so sections are written in
+    order; `finish` waits for all. Not pipelined (`pipelined` False, e.g. on
+    the CUDA backend), each encoding runs at once.
     """
 
     def __init__(self, pipelined: bool):
+        from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-encode") if pipelined else None
-        self._pending = None
+        from .kernels.threads import num_threads
 
-    def submit(self, encode, record_of) -> list[TensorRecord]:
-        done = self.finish()
+        self._depth = num_threads()
+        self._pool = ThreadPoolExecutor(max_workers=self._depth, thread_name_prefix="pulsediff-encode") \
+            if pipelined else None
+        self._pending = deque()
+
+    # Tensors in flight hold their inputs (memory of their own when cast to BF16):
+    # past this many bytes, wait for the oldest before taking more.
+    MAX_BYTES_IN_FLIGHT = 1 << 30
+
+    def submit(self, encode, record_of, nbytes: int = 0) -> list[TensorRecord]:
         if self._pool is None:
-            return done + [record_of(encode())]
-        self._pending = (self._pool.submit(encode), record_of)
+            return [record_of(encode())]
+        self._pending.append((self._pool.submit(encode), record_of, nbytes))
+        done = []
+        while len(self._pending) > 1 and (len(self._pending) > self._depth or
+                                          sum(p[2] for p in self._pending) > self.MAX_BYTES_IN_FLIGHT):
+            done.append(self._take())
         return done
 
+    def _take(self) -> TensorRecord:
+        future, record_of, _ = self._pending.popleft()
+        return record_of(future.result())
+
     def finish(self) -> list[TensorRecord]:
-        if self._pending is None:
-            return []
-        future, record_of = self._pending
-        self._pending = None
-        return [record_of(future.result())]
+        return [self._take() for _ in range(len(self._pending))]
 
     def close(self) -> None:
         if self._pool is not None:
+            for future, _, _ in self._pending:
+                future.cancel()
             self._pool.shutdown(wait=True)
 
 
