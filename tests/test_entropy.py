@@ -317,3 +317,18 @@ def test_ctx_rans_windowed_decode_refuses_a_rank_past_its_class_before_the_last_
             got.append(part)
     assert len(got) == 3  # the fourth (last) window is never handed out
     assert [p.size for p in codec.decode_windows(base, payload, enc.params, ctx, cpu, Scratch(), 1000)] == [1000] * 4
+
+
+def test_rans_reciprocal_division_is_exact_over_the_state_range():
+    """The encoder's q = x // f by reciprocal (see rans_encode), checked for every frequency
+    at the values where a floor is most fragile: multiples of f, one either side, and the
+    ends of the states the encoder can see (x < x_max = 2**19 * f <= 2**31)."""
+    for f in range(2, entropy.PROB_SCALE + 1):
+        shift = (f - 1).bit_length()
+        rcp = ((1 << (shift + 31)) + f - 1) // f
+        x_max = ((entropy.RANS_L >> entropy.PROB_BITS) << 8) * f
+        mults = np.unique(np.linspace(0, x_max // f, 64).astype(np.int64)) * f
+        x = np.unique(np.concatenate([mults - 1, mults, mults + 1, [1, x_max - 1]]))
+        x = x[(x >= 1) & (x < x_max)].astype(np.uint64)
+        q = ((x * np.uint64(rcp)) >> np.uint64(32)) >> np.uint64(shift - 1)
+        assert np.array_equal(q, x // np.uint64(f)), f

@@ -52,20 +52,40 @@ def rice_encode(values, ks, counts, out):
     """Rice-code values, the first counts[0] with parameter ks[0], the next counts[1] with ks[1], ...
 
     Returns the bytes used in `out`, which must hold sum((v >> k) + 1 + k) bits.
+    A code of at most 32 bits (nearly all: q is small when k fits the data)
+    goes into the 64-bit accumulator in one step, and the accumulator leaves
+    four bytes at a time; longer codes take the general path.
     """
     acc = np.uint64(0)
     nacc = 0
     pos = 0
     i = 0
+    one = np.uint64(1)
     for g in range(counts.size):
         k = ks[g]
+        kk = np.uint64(k)
+        kmask = (one << kk) - one
         for _ in range(counts[g]):
             v = np.uint64(values[i])
             i += 1
-            q = v >> np.uint64(k)
+            q = v >> kk
+            if q + kk < np.uint64(32):  # q ones, a zero, then the k low bits: one code of q + 1 + k bits
+                qq = np.uint64(q)
+                code = ((one << qq) - one) | ((v & kmask) << (qq + one))
+                acc |= code << np.uint64(nacc)
+                nacc += int(q) + 1 + k
+                if nacc >= 32:
+                    out[pos] = np.uint8(acc & np.uint64(0xFF))
+                    out[pos + 1] = np.uint8((acc >> np.uint64(8)) & np.uint64(0xFF))
+                    out[pos + 2] = np.uint8((acc >> np.uint64(16)) & np.uint64(0xFF))
+                    out[pos + 3] = np.uint8((acc >> np.uint64(24)) & np.uint64(0xFF))
+                    pos += 4
+                    acc >>= np.uint64(32)
+                    nacc -= 32
+                continue
             while q > 0:  # unary part: q one-bits, at most 32 at a time
                 take = min(q, np.uint64(32))
-                pos, acc, nacc = _put_bits(out, pos, acc, nacc, (np.uint64(1) << take) - np.uint64(1), int(take))
+                pos, acc, nacc = _put_bits(out, pos, acc, nacc, (one << take) - one, int(take))
                 q -= take
             pos, acc, nacc = _put_bits(out, pos, acc, nacc, 0, 1)  # the terminating zero bit
             low = v
@@ -75,9 +95,11 @@ def rice_encode(values, ks, counts, out):
                 pos, acc, nacc = _put_bits(out, pos, acc, nacc, low, take)
                 low >>= np.uint64(take)
                 remaining -= take
-    if nacc > 0:
+    while nacc > 0:
         out[pos] = np.uint8(acc & np.uint64(0xFF))
         pos += 1
+        acc >>= np.uint64(8)
+        nacc -= 8
     return pos
 
 
@@ -211,25 +233,52 @@ def quantise_frequencies(counts: np.ndarray) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def rans_encode(symbols, freqs, cums, out):
-    """Encode symbols; writes the stream to the END of `out`; returns its start index."""
-    # The state stays below 2**31 (L * 256), so the division is done in 32 bits:
-    # several times cheaper than a 64-bit one, and the hot loop's main cost.
-    x = np.uint32(RANS_L)
+    """Encode symbols; writes the stream to the END of `out`; returns its start index.
+
+    The step x -> (x // f) * 2**12 + x % f + cum is computed as
+    x + cum + q * (2**12 - f) with q = x // f found by a multiplication with a
+    per-symbol reciprocal, exact for x < 2**31 (Giesen, ryg_rans, after
+    Alverson, "Integer division using reciprocals", 1991): the division was
+    the hot loop's main cost. A symbol of frequency 1 has q = x, handled by
+    the same formula with a reciprocal of 2**32 - 1 and the bias moved.
+    """
+    n_sym = freqs.size
+    rcp = np.zeros(n_sym, np.uint64)
+    rshift = np.zeros(n_sym, np.uint64)
+    bias = np.zeros(n_sym, np.uint64)
+    cmpl = np.zeros(n_sym, np.uint64)
+    x_max = np.zeros(n_sym, np.uint64)
+    for s in range(n_sym):
+        f = freqs[s]
+        if f == 0:
+            continue
+        x_max[s] = np.uint64((RANS_L >> PROB_BITS) << 8) * np.uint64(f)
+        cmpl[s] = np.uint64(PROB_SCALE - f)
+        if f < 2:
+            rcp[s] = np.uint64(0xFFFFFFFF)
+            bias[s] = np.uint64(cums[s] + PROB_SCALE - 1)
+        else:
+            shift = 0
+            while f > (1 << shift):
+                shift += 1
+            rcp[s] = np.uint64(((1 << (shift + 31)) + f - 1) // f)
+            rshift[s] = np.uint64(shift - 1)
+            bias[s] = np.uint64(cums[s])
+    x = np.uint64(RANS_L)
     pos = out.size
+    eight = np.uint64(8)
     for i in range(symbols.size - 1, -1, -1):
         s = symbols[i]
-        f = np.uint32(freqs[s])
-        x_max = np.uint32((RANS_L >> PROB_BITS) << 8) * f
-        while x >= x_max:
+        while x >= x_max[s]:
             pos -= 1
-            out[pos] = np.uint8(x & np.uint32(0xFF))
-            x >>= np.uint32(8)
-        q = x // f
-        x = (q << np.uint32(PROB_BITS)) + (x - q * f) + np.uint32(cums[s])
+            out[pos] = np.uint8(x & np.uint64(0xFF))
+            x >>= eight
+        q = ((x * rcp[s]) >> np.uint64(32)) >> rshift[s]
+        x = x + bias[s] + q * cmpl[s]
     for _ in range(4):
         pos -= 1
-        out[pos] = np.uint8(x & np.uint32(0xFF))
-        x >>= np.uint32(8)
+        out[pos] = np.uint8(x & np.uint64(0xFF))
+        x >>= eight
     return pos
 
 
