@@ -54,6 +54,9 @@ class TargetSource:
     file_names: list[str] = field(default_factory=list)
     read_file: Callable[[str], bytes] | None = None
     skipped: list[str] = field(default_factory=list)  # folder entries left out, to tell the user
+    # True when `get` hands out buffers that the next `get` overwrites (squash rebuilds
+    # tensors in reused scratch memory): then each tensor is encoded before the next is read.
+    reuses_buffers: bool = False
 
     @classmethod
     def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
@@ -166,7 +169,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     # Tensors are encoded side by side (their compares on the kernel threads, each
     # one's entropy coding on a thread of its own) while the next are read and
     # hashed; sections are written in order.
-    encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu"))
+    encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu") and not target.reuses_buffers)
     try:
         for name, stored_bytes in target.entries:
             tgt = target.get(name)

@@ -66,6 +66,7 @@ def squash_patches(
                 layout_files=list(final.layout.files), index_len=final.layout.index_len,
                 entries=[(r.name, r.nbytes) for r in final.tensors], get=get,
                 file_names=list(file_bytes), read_file=file_bytes.__getitem__,
+                reuses_buffers=True,  # `get` rebuilds into `scratch`
             )
             header = write_patch(base, target, out, codec=codec, device=device, progress=progress)
         if header.target_digest != final.target_digest:  # cannot happen unless a bug: refuse loudly

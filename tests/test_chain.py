@@ -6,6 +6,8 @@ import filecmp
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from pulsediff import apply_patch, make_patch
 from pulsediff.apply import apply_chain
@@ -103,3 +105,36 @@ def test_anchor_is_a_patch_from_the_empty_checkpoint(tmp_path):
     # its base is the empty checkpoint, not any checkpoint
     with pytest.raises(BaseMismatchError):
         apply_patch(ckpts[0], anchor, tmp_path / "x", device="cpu")
+
+
+def test_make_from_a_source_that_reuses_its_buffer_encodes_each_tensor_before_the_next(tmp_path):
+    """squash hands make tensors rebuilt in one reused buffer: make must not encode them
+    side by side (it did: squashed patches that apply refused, found by the fuzz campaign)."""
+    from pulsediff.make import TargetSource, write_patch
+    from pulsediff.checkpoint import TensorData, TensorView, open_checkpoint
+    from pulsediff.dtypes import DTYPES
+    from pulsediff.progress import SILENT
+
+    rng = np.random.default_rng(5)
+    names = [f"t{i}" for i in range(6)]
+    base = {n: torch.from_numpy(rng.normal(0, 0.02, 1 << 18).astype(np.float32)).to(torch.bfloat16) for n in names}
+    target = {n: t.clone() for n, t in base.items()}
+    for t in target.values():
+        t.view(torch.int16)[:: 37] += 1
+    save_file(base, tmp_path / "base.safetensors")
+    save_file(target, tmp_path / "target.safetensors")
+    shared = np.empty(1 << 18, np.uint16)  # every get overwrites it, as squash's scratch does
+
+    with open_checkpoint(tmp_path / "target.safetensors") as ckpt:
+        view = TensorView(ckpt, "exact")
+        source = TargetSource.of_view(view)
+
+        def get(name):
+            np.copyto(shared, view.get(name).bits)
+            return TensorData(name, DTYPES["BF16"], (1 << 18,), shared)
+
+        source.get, source.reuses_buffers = get, True
+        write_patch(tmp_path / "base.safetensors", source, tmp_path / "p", codec="ctx-rans", device="cpu",
+                    progress=SILENT)
+    apply_patch(tmp_path / "base.safetensors", tmp_path / "p", tmp_path / "out.safetensors", device="cpu")
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "target.safetensors").read_bytes()
