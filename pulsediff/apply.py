@@ -575,13 +575,19 @@ class _PipelinedWriter:
         if pending is not None:
             pending.result()
 
+    def abandon(self) -> None:
+        """Wait for the write in flight, dropping its error: the caller is already failing."""
+        from concurrent.futures import wait
+
+        pending, self._pending = self._pending, None
+        while pending is not None and not pending.done():
+            try:
+                wait([pending])
+            except BaseException:  # noqa: BLE001 - even a second Ctrl-C waits: the file closes next
+                pass
+
     def close(self) -> None:
-        """Wait for the write in flight (its error is dropped: the caller is already failing
-        or has drained) and stop the thread."""
-        try:
-            self.drain()
-        except BaseException:  # noqa: BLE001
-            pass
+        self.abandon()
         self._pool.shutdown(wait=True)
 
 
@@ -609,21 +615,25 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
         try:
             for name, raw, records in target.files:
                 with staged.open(out_path if target.kind == "file" else out_path / name, direct=True) as f:
-                    f.write(len(raw).to_bytes(8, "little"))
-                    f.write(raw)
-                    for rec in records:
-                        bits = target_bits(rec)
-                        if isinstance(bits, Windows):
-                            for part in bits.parts:
-                                writer.put(f, memoryview(part).cast("B"), bits.hasher)
-                            writer.put(f, memoryview(b""), bits.hasher, bits.check)
-                        elif bits.size:
-                            # a whole tensor may sit in a buffer the next rebuild reuses: no overlap
-                            writer.put(f, memoryview(np.ascontiguousarray(bits)).cast("B"))
-                            writer.drain()
-                        rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
-                        progress.advance(rec.nbytes)
-                    writer.drain()  # the file closes next
+                    try:
+                        f.write(len(raw).to_bytes(8, "little"))
+                        f.write(raw)
+                        for rec in records:
+                            bits = target_bits(rec)
+                            if isinstance(bits, Windows):
+                                for part in bits.parts:
+                                    writer.put(f, memoryview(part).cast("B"), bits.hasher)
+                                writer.put(f, memoryview(b""), bits.hasher, bits.check)
+                            elif bits.size:
+                                # a whole tensor may sit in a buffer the next rebuild reuses: no overlap
+                                writer.put(f, memoryview(np.ascontiguousarray(bits)).cast("B"))
+                                writer.drain()
+                            rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
+                            progress.advance(rec.nbytes)
+                        writer.drain()  # the file closes next
+                    except BaseException:
+                        writer.abandon()  # no write may still be in flight when the file closes
+                        raise
         finally:
             writer.close()
         if target.index is not None:

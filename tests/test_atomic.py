@@ -118,3 +118,57 @@ def test_a_swallowed_ctrl_c_still_stops_the_commit(tmp_path, monkeypatch):
                 f.write(b"x")
             staged.commit()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_between_windows_lets_the_write_in_flight_finish_before_the_file_closes(tmp_path, monkeypatch):
+    """apply writes window k on a thread while it makes window k+1; when making k+1 fails, the
+    output's descriptor must stay open until write k is done (else it writes to a closed, or
+    reused, descriptor: found by review)."""
+    import threading
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    import pulsediff.apply as apply_mod
+    from pulsediff import apply_patch, make_patch
+    from pulsediff.codecs.ctx_rans import CtxRans
+    from pulsediff.errors import CorruptPatchError
+
+    rng = np.random.default_rng(3)
+    base = rng.normal(0, 0.02, 1 << 16).astype(np.float32)
+    target = base.copy()
+    target[::50] *= 1.01
+    save_file({"w": torch.from_numpy(base).to(torch.bfloat16)}, tmp_path / "b.safetensors")
+    save_file({"w": torch.from_numpy(target).to(torch.bfloat16)}, tmp_path / "t.safetensors")
+    make_patch(tmp_path / "b.safetensors", tmp_path / "t.safetensors", tmp_path / "p", device="cpu")
+    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 1 << 12)
+
+    real_windows = CtxRans.decode_windows
+
+    def failing_windows(self, *args, **kwargs):
+        parts = real_windows(self, *args, **kwargs)
+        yield next(parts)
+        time.sleep(0.05)  # the first window's write is under way
+        raise CorruptPatchError("p", "a check that fails after the first window")
+
+    seen, real_write = [], apply_mod._PipelinedWriter._write
+
+    def slow_write(f, data, hasher, then):
+        time.sleep(0.3)  # a slow disk: still writing when the rebuild fails
+        fd = f.fd if hasattr(f, "fd") else f.fileno()
+        try:
+            os.fstat(fd)
+            seen.append("open")
+        except OSError:
+            seen.append("closed")
+        real_write(f, data, hasher, then)
+
+    monkeypatch.setattr(CtxRans, "decode_windows", failing_windows)
+    monkeypatch.setattr(apply_mod._PipelinedWriter, "_write", staticmethod(slow_write))
+    with pytest.raises(CorruptPatchError, match="after the first window"):
+        apply_patch(tmp_path / "b.safetensors", tmp_path / "p", tmp_path / "out.safetensors", device="cpu")
+    assert seen and set(seen) == {"open"}
+    assert not (tmp_path / "out.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors", "p", "t.safetensors"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("pulsediff-writer")]  # stopped

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -74,12 +74,9 @@ def parallel_map(fn: Callable[..., T], items: Sequence) -> list[T]:
     if len(items) <= 1 or getattr(_inside, "active", False) or num_threads() == 1:
         return [fn(*item) for item in items]
     futures = [pool().submit(fn, *item) for item in items]
-    results, error = [], None
-    for future in futures:
-        try:
-            results.append(future.result())
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finish
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
+    try:
+        return [future.result() for future in futures]
+    finally:
+        # Even when a task failed or Ctrl-C interrupted the wait: tasks write into the
+        # caller's buffers, so none may still run once this returns or raises.
+        wait(futures)
