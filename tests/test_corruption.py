@@ -275,3 +275,19 @@ def test_target_bytes_must_agree_with_the_layout(small_pair, tmp_path):
     header["target"]["bytes"] += 1
     with pytest.raises(CorruptPatchError, match="target.bytes contradicts"):
         apply_bytes(old, forge(header, patch[32 + pre[4]:]), tmp_path / "out")
+
+
+def test_zstd_compress_is_safe_from_several_threads_at_once():
+    """make encodes tensors on several threads; one shared ZstdCompressor corrupted frames (CI)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zstandard
+
+    from pulsediff.codecs.base import zstd_compress
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 50, 20_000 + 37 * i).astype(np.uint32) for i in range(64)]
+    with ThreadPoolExecutor(4) as pool:
+        frames = list(pool.map(zstd_compress, arrays * 4))
+    for data, frame in zip(arrays * 4, frames):
+        assert zstandard.ZstdDecompressor().decompress(frame) == data.tobytes()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
@@ -102,11 +103,19 @@ def uint_param(params: dict, key: str, default: int | None = None) -> int:
     value = params.get(key, default)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
 
-_CCTX = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=False)
+
+# One compressor per thread: a ZstdCompressor must not be used by two threads at
+# once (python-zstandard's rule), and make encodes several tensors side by side.
+# Sharing one corrupted frames in the fuzz corpus of a CI run.
+_compressors = threading.local()
 
 
 def zstd_compress(data) -> bytes:
-    return _CCTX.compress(data)
+    cctx = getattr(_compressors, "cctx", None)
+    if cctx is None:
+        cctx = _compressors.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True,
+                                                            write_checksum=False)
+    return cctx.compress(data)
 
 
 # A zstd block decompresses to at most 128 KiB and takes at least its 3-byte header (RFC 8878, 3.1.1.2),
