@@ -33,6 +33,18 @@ _lock = threading.Lock()
 _inside = threading.local()  # set in pool threads: a nested map runs inline instead of waiting on itself
 
 
+def _after_fork_in_child() -> None:
+    # The child has none of the parent's threads: a lock another thread held at the
+    # fork would stay held forever, and the pool's workers are gone.
+    global _pool, _lock
+    _lock = threading.Lock()
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def num_threads() -> int:
     """Worker threads: PULSEDIFF_THREADS, else the CPUs this process may run on."""
     value = os.environ.get("PULSEDIFF_THREADS", "").strip()
