@@ -263,7 +263,9 @@ class _Encoder:
         self._pending = deque()
 
     # Tensors in flight hold their inputs (memory of their own when cast to BF16):
-    # past this many bytes, wait for the oldest before taking more.
+    # past this many bytes, wait for the oldest before taking more. Checked once a
+    # tensor is handed over, so the peak is about max(this, one tensor) plus the
+    # next tensor, read while the oldest finishes.
     MAX_BYTES_IN_FLIGHT = 1 << 30
 
     def submit(self, encode, record_of, nbytes: int = 0) -> list[TensorRecord]:
