@@ -332,3 +332,25 @@ def test_rans_reciprocal_division_is_exact_over_the_state_range():
         x = x[(x >= 1) & (x < x_max)].astype(np.uint64)
         q = ((x * np.uint64(rcp)) >> np.uint64(32)) >> np.uint64(shift - 1)
         assert np.array_equal(q, x // np.uint64(f)), f
+
+
+@pytest.mark.parametrize("dtype,name,shift,bits", [(np.uint64, "I64", 60, 12), (np.uint16, "BF16", 10, 12),
+                                                   (np.uint8, "U8", 9, 0)])
+def test_ctx_rans_refuses_a_class_field_outside_the_element(dtype, name, shift, bits):
+    """FORMAT.md 6.3: s + b <= W. Past it, a signed and an unsigned shift give different classes."""
+    from pulsediff.codecs import get_codec
+    from pulsediff.codecs.base import SectionContext
+    from pulsediff.dtypes import DTYPES
+    from pulsediff.errors import CorruptPatchError
+    from pulsediff.memory import Scratch
+
+    base = np.arange(1000, dtype=dtype)
+    target = base.copy()
+    target[::7] += dtype(1)
+    codec = get_codec("ctx-rans")
+    _, enc = codec.encode_pair(base, target, dtype=DTYPES[name], kernels=cpu)
+    payload, ctx = b"".join(enc.parts), SectionContext("t", 1000, base.itemsize, "test")
+    assert np.array_equal(codec.decode(base, payload, enc.params, ctx, cpu, Scratch()), target)
+    hostile = dict(enc.params, class_shift=shift, class_bits=bits)
+    with pytest.raises(CorruptPatchError, match="class field"):
+        codec.decode(base, payload, hostile, ctx, cpu, Scratch())

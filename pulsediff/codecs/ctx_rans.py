@@ -419,6 +419,9 @@ def _split(payload: bytes, params: dict, ctx: SectionContext):
     count = parse_uint(params, "count", ctx, ctx.numel)
     shift = parse_uint(params, "class_shift", ctx, 63)
     bits = parse_uint(params, "class_bits", ctx, MAX_CLASS_BITS)
+    if shift + bits > 8 * ctx.itemsize:  # FORMAT.md 6.3: the class field lies inside the element
+        raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: class field (shift {shift}, {bits} bits) "
+                                            f"does not fit {8 * ctx.itemsize}-bit elements")
     n_escapes = parse_uint(params, "escapes", ctx, count)
     lengths = [parse_uint(params, key, ctx, len(payload)) for key in
                ("table_bytes", "position_bytes", "frequency_bytes", "value_bytes")]
