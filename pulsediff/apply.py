@@ -342,6 +342,14 @@ def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: s
 # -- rebuilding -----------------------------------------------------------------
 
 
+def _check_base_size(rec: TensorRecord, base_bits: np.ndarray, source: str) -> None:
+    """A patched tensor's base must have the element count and width its record says."""
+    if (base_bits.size, base_bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
+        raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
+                                        f"{base_bits.dtype.itemsize} bytes, patch expects {rec.numel} of "
+                                        f"{rec.dtype.itemsize}")
+
+
 def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
              scratch: Scratch) -> np.ndarray:
     """One target tensor's bits, checked against its recorded hash.
@@ -353,11 +361,8 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
         bits = base_bits
     else:
         codec = get_codec(rec.section.codec)
-        if base_bits is not None and rec.op == "patch" and (base_bits.size, base_bits.dtype.itemsize) != (
-                rec.numel, rec.dtype.itemsize):
-            raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
-                                            f"{base_bits.dtype.itemsize} bytes, patch expects {rec.numel} of "
-                                            f"{rec.dtype.itemsize}")
+        if base_bits is not None and rec.op == "patch":
+            _check_base_size(rec, base_bits, source)
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
         bits = codec.decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
     if tensor_hash(bits) != rec.target_hash:
@@ -515,10 +520,7 @@ def rebuild_windows(rec: TensorRecord, payload: bytes, base_bits: np.ndarray, ba
                     scratch: Scratch) -> "Windows":
     """One patched tensor as consecutive windows (codec.decode_windows); its hash is checked by
     whoever consumes them (`Windows.hasher`), since it is known only after the last one."""
-    if (base_bits.size, base_bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
-        raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
-                                        f"{base_bits.dtype.itemsize} bytes, patch expects {rec.numel} of "
-                                        f"{rec.dtype.itemsize}")
+    _check_base_size(rec, base_bits, source)
     ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
     codec = get_codec(rec.section.codec)
     return Windows(rec, source, codec.decode_windows(base_bits, payload, rec.section.params, ctx, backend, scratch,

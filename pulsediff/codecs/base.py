@@ -63,10 +63,7 @@ class Codec(ABC):
         """(changed elements, section) for a base and target of equal shape; section None when
         more than `max_changed` changed. Codecs that can fuse the compare into their own
         pass over the pair override this (ctx-rans does)."""
-        if kernels is None:
-            from ..kernels import get_backend
-
-            kernels = get_backend("cpu")
+        kernels = cpu_if_none(kernels)
         positions, values = kernels.diff_compact(base, target)
         if max_changed is not None and positions.size > max_changed:
             return positions.size, None
@@ -91,6 +88,15 @@ class Codec(ABC):
 
 
 # -- shared, checked helpers -------------------------------------------------
+
+
+def cpu_if_none(kernels: ModuleType | None) -> ModuleType:
+    """The backend a caller handed an encoder, or the CPU one (encoders called without one)."""
+    if kernels is None:
+        from ..kernels import get_backend
+
+        kernels = get_backend("cpu")
+    return kernels
 
 
 def uint_param(params: dict, key: str, default: int | None = None) -> int:

@@ -41,7 +41,7 @@ from numba import njit
 
 from ..errors import CorruptPatchError
 from . import entropy
-from .base import Codec, Encoded, Scratch, SectionContext, parse_uint, uint_param
+from .base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, uint_param
 
 # (shift, bits) of the exponent field: the class of a base element.
 CLASS_FIELDS = {
@@ -233,10 +233,7 @@ class CtxRans(Codec):
     needs_base = True
 
     def encode(self, base, target, positions, values, dtype=None, kernels=None) -> Encoded:
-        if kernels is None:
-            from ..kernels import get_backend
-
-            kernels = get_backend("cpu")
+        kernels = cpu_if_none(kernels)
         shift, bits = class_field(dtype.name if dtype is not None else "")
         mask = (1 << bits) - 1
         ranks, _ = kernels.class_ranks(base, shift, mask, positions)
@@ -247,10 +244,7 @@ class CtxRans(Codec):
 
     def encode_pair(self, base, target, dtype=None, kernels=None, max_changed=None):
         """Compare and encode in one read of the pair (kernels.diff_ranks)."""
-        if kernels is None:
-            from ..kernels import get_backend
-
-            kernels = get_backend("cpu")
+        kernels = cpu_if_none(kernels)
         shift, bits = class_field(dtype.name if dtype is not None else "")
         zigzag, classes, ranks, _ = kernels.diff_ranks(base, target, shift, (1 << bits) - 1)
         if max_changed is not None and zigzag.size > max_changed:
