@@ -72,6 +72,21 @@ def find_pulsediff(explicit: str | None) -> list[str]:
     sys.exit("bench_core: no `pulsediff` command found (install the package, or pass --pulsediff)")
 
 
+def from_tree(tree: Path, code: str) -> list[str]:
+    """A command running Python `code` with pulsediff imported from the source tree `tree` (an
+    older checkout, say), not from the installed, possibly editable, package. Arguments added
+    after it reach `code` as sys.argv[1:]."""
+    prelude = ("import sys; src = sys.argv.pop(1); "
+               "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+               "sys.path.insert(0, src); ")
+    return [sys.executable, "-c", prelude + code, str(Path(tree).resolve())]
+
+
+def pulsediff_from_tree(tree: Path) -> list[str]:
+    """The `pulsediff` command of source tree `tree` (see from_tree)."""
+    return from_tree(tree, "from pulsediff.cli.main import main; sys.exit(main())")
+
+
 def files_of(path: Path) -> list[Path]:
     """A checkpoint's files: itself, or every file in its folder (sorted)."""
     return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
@@ -207,10 +222,7 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
     ]
     baseline_out = None
     if args.baseline_src is not None:
-        # The tree's own package, not the installed (possibly editable) one.
-        before = [sys.executable, "-c", "import sys; src = sys.argv.pop(1); sys.meta_path[:] = [f for f in "
-                  "sys.meta_path if 'editable' not in repr(f).lower()]; sys.path.insert(0, src); "
-                  "from pulsediff.cli.main import main; sys.exit(main())", str(args.baseline_src.resolve())]
+        before = pulsediff_from_tree(args.baseline_src)
         baseline_patch = work / "baseline.pulsediff"
         baseline_out = work / ("baseline-out" + ("" if new.is_dir() else ".safetensors"))
         ops += [

@@ -109,15 +109,17 @@ def main() -> None:
         measure(args.elements, args.density, 0)  # warm-up: JIT cache, page faults
         print(json.dumps(measure(args.elements, args.density, 0)))
         return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_core import from_tree  # here, not at the top: the child runs this file from another tree
+
     trees = args.src or [ROOT]
     results: dict[str, list[dict]] = {str(t): [] for t in trees}
     env = dict(os.environ, PULSEDIFF_THREADS="1", NUMBA_NUM_THREADS="1")
     for _ in range(args.repeats):
         for tree in trees:  # alternating: drift hits every tree alike
-            code = ("import sys, runpy; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-                    f"sys.path.insert(0, {str(tree)!r}); sys.argv = sys.argv[1:]; "
-                    f"runpy.run_path({__file__!r}, run_name='__main__')")
-            out = subprocess.run([sys.executable, "-c", code, __file__, "--child", "--elements", str(args.elements),
+            child = from_tree(tree, f"import runpy; sys.argv = sys.argv[1:]; runpy.run_path({__file__!r}, "
+                                    "run_name='__main__')")
+            out = subprocess.run([*child, __file__, "--child", "--elements", str(args.elements),
                                   "--density", str(args.density)], env=env, capture_output=True, text=True, check=True)
             results[str(tree)].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.elements} BF16 elements, density {args.density}, one thread, medians of {args.repeats}\n")

@@ -22,16 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCH = ("import sys; src = sys.argv.pop(1); "
-          "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-          "sys.path.insert(0, src); from pulsediff.cli.main import main; sys.exit(main())")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from bench_core import pulsediff_from_tree  # noqa: E402
 
 
 def run_make(tree: Path, old: Path, new: Path, out: Path) -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", LAUNCH, str(tree), "make", str(old), str(new), "-o", str(out), "-f", "-q"],
-                   check=True)
+    subprocess.run([*pulsediff_from_tree(tree), "make", str(old), str(new), "-o", str(out), "-f", "-q"], check=True)
     return time.perf_counter() - t
 
 
