@@ -9,7 +9,6 @@ blocks (so the grid-stride loop over tiles runs too).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 from pulsediff.errors import UsageError
 from pulsediff.kernels import get_backend
 
+from cuda_sim import SMALL_LAUNCH, fast_simulator, launch_config
 from reference import diff_compact_ref, gaps_to_positions_ref, scatter_ref
 
 try:
@@ -47,41 +47,15 @@ UINTS = [np.uint8, np.uint16, np.uint32, np.uint64]
 GAP_DTYPES = [np.uint32, np.uint64]
 DENSITIES = ["zero", "one", 0.01, 0.5, 1.0]
 
-# With 8 threads and 2 items a tile is 16 elements, and 4 blocks cover at most
-# 64 of them per sweep: these sizes hit empty, single, tile-edge +-1, and
-# several grid-stride sweeps.
-SMALL_LAUNCH = dict(THREADS_PER_BLOCK=8, ITEMS_PER_THREAD=2, MAX_BLOCKS=4)
+# With SMALL_LAUNCH a tile is 16 elements and 4 blocks cover at most 64 of them
+# per sweep: these sizes hit empty, single, tile-edge +-1, and several
+# grid-stride sweeps.
 SMALL_SIZES = [0, 1, 2, 15, 16, 17, 63, 65, 77, 130]
 # The CPU kernels split work into chunks of at least 2**16 elements.
 CPU_LARGE_SIZES = [3 * (1 << 16) + 7, 17 * (1 << 16) + 1]
 
 # Out-of-range positions a hostile patch could carry.
 HOSTILE_POSITIONS = [-1, -2, -(2**63), 2**62, 2**63 - 1]
-
-
-@contextlib.contextmanager
-def launch_config(module, **settings_):
-    saved = {k: getattr(module, k) for k in settings_}
-    for k, v in settings_.items():
-        setattr(module, k, v)
-    try:
-        yield module
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
-
-
-@contextlib.contextmanager
-def fast_simulator():
-    # The simulator's block manager busy-polls its threads at each barrier;
-    # with the default 5 ms GIL switch interval every syncthreads costs
-    # milliseconds. A shorter interval makes the CUDA tests several times faster.
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(saved)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ round at the multiple of 8 below), and more ranges than blocks (the grid-stride 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cuda_sim import SMALL_LAUNCH, fast_simulator, launch_config
 from reference import (apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, classes_ref, diff_compact_ref,
                        diff_ranks_ref, gaps_to_positions_ref, scatter_ref)
 
@@ -37,32 +37,7 @@ except Exception:  # numba-cuda absent or broken
 pytestmark = pytest.mark.skipif(numba_cuda is None,
                                 reason="numba.cuda cannot be imported (install numba-cuda); CUDA backend not tested")
 
-SMALL_LAUNCH = dict(THREADS_PER_BLOCK=8, ITEMS_PER_THREAD=2, MAX_BLOCKS=4)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@contextlib.contextmanager
-def launch_config(module, **settings):
-    saved = {k: getattr(module, k) for k in settings}
-    for k, v in settings.items():
-        setattr(module, k, v)
-    try:
-        yield module
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
-
-
-@contextlib.contextmanager
-def fast_simulator():
-    # The simulator's block manager busy-polls its threads at each barrier; with the
-    # default 5 ms GIL switch interval every syncthreads costs milliseconds.
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(saved)
 
 
 @pytest.fixture(scope="module")
