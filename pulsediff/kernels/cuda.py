@@ -668,21 +668,23 @@ def _scan_columns(table, totals):
         cuda.syncthreads()  # before the next group overwrites `sh`
 
 
+@cuda.jit(device=True)
+def _lower_bound(values, lo, hi, target):
+    """The first index in [lo, hi) of ascending `values` whose value is >= target (hi if none)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 @cuda.jit(cache=True)
 def _range_first_positions(positions, step, firsts):
     # firsts[r] = how many positions lie before range r (a lower bound per range).
-    m = positions.size
     for r in range(cuda.grid(1), firsts.size, cuda.gridsize(1)):
-        target = r * step
-        lo = 0
-        hi = m
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if positions[mid] < target:
-                lo = mid + 1
-            else:
-                hi = mid
-        firsts[r] = lo
+        firsts[r] = _lower_bound(positions, 0, positions.size, r * step)
 
 
 @cuda.jit(cache=True)
@@ -798,15 +800,7 @@ def _apply_ranges(base, shift, mask, wmask, step, starts, class_offsets, ranks, 
         for k in range(tid, ncls, tpb):
             a, b = _class_segment(class_offsets, k, m)
             s = starts[tile, k]
-            # Lower bound: the first entry of the class ranked at or past the range.
-            x = a
-            y = b
-            while x < y:
-                mid = (x + y) // 2
-                if ranks[mid] < s:
-                    x = mid + 1
-                else:
-                    y = mid
+            x = _lower_bound(ranks, a, b, s)  # the class's first entry ranked at or past the range
             nxt[k] = x - a
             dist[k] = min(ranks[x] - s, _FAR) if x < b else _FAR
         cuda.syncthreads()
