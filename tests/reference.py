@@ -120,3 +120,51 @@ def apply_ranked_ref(base: np.ndarray, shift: int, mask: int, class_offsets: np.
                 out[i] = (int(base[i]) + delta) % (1 << width)
                 applied += 1
     return out, applied
+
+
+def word_sum_ref(data: np.ndarray) -> int:
+    """FORMAT.md §3.1 sum64, word by word in Python integers."""
+    raw = bytes(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    raw += bytes(-len(raw) % 8)
+    m64 = (1 << 64) - 1
+    total = 0
+    for j in range(len(raw) // 8):
+        x = int.from_bytes(raw[8 * j:8 * j + 8], "little") ^ ((j + 1) * 0x9E3779B97F4A7C15 & m64)
+        x ^= x >> 33
+        x = x * 0xFF51AFD7ED558CCD & m64
+        x ^= x >> 33
+        x = x * 0xC4CEB9FE1A85EC53 & m64
+        x ^= x >> 33
+        total = (total + x) & m64
+    return total
+
+
+def ranked_positions_ref(base: np.ndarray, shift: int, mask: int, class_offsets: np.ndarray,
+                         ranks: np.ndarray) -> tuple[np.ndarray, int]:
+    """(position of each entry's element, -1 where its rank is not in its class; how many were found).
+    Ranks ascend strictly within a class, as for apply_ranked_ref."""
+    classes = classes_ref(base, shift, mask)
+    members = [[] for _ in range(mask + 1)]
+    for i, c in enumerate(classes):
+        members[c].append(i)
+    where = np.full(ranks.size, -1, np.int64)
+    for k in range(mask + 1):
+        for e in range(class_offsets[k], class_offsets[k + 1]):
+            if 0 <= ranks[e] < len(members[k]):
+                where[e] = members[k][ranks[e]]
+    return where, int((where >= 0).sum())
+
+
+def add_at_ref(out: np.ndarray, positions: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray, int]:
+    """In place: out[p] += un-zigzag(delta) mod 2**width for each in-range p; (old values, out-of-range count)."""
+    width = out.dtype.itemsize * 8
+    old = np.zeros(positions.size, out.dtype)
+    bad = 0
+    for e, p in enumerate(positions.tolist()):
+        if 0 <= p < out.size:
+            old[e] = out[p]
+            z = int(deltas[e])
+            out[p] = (int(out[p]) + ((z >> 1) ^ -(z & 1))) % (1 << width)
+        else:
+            bad += 1
+    return old, bad

@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cuda_sim import SMALL_LAUNCH, fast_simulator, launch_config
-from reference import (apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, classes_ref, diff_compact_ref,
-                       diff_ranks_ref, gaps_to_positions_ref, scatter_ref)
+from reference import (add_at_ref, apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, classes_ref,
+                       diff_compact_ref, diff_ranks_ref, gaps_to_positions_ref, ranked_positions_ref, scatter_ref,
+                       word_sum_ref)
 
 try:
     from numba import config as numba_config
@@ -491,6 +492,103 @@ def test_cuda_array_interface_is_used_in_place(cuda_k):
     np.testing.assert_array_equal(memory, want)  # written where the exporter's memory is: no copy
     with pytest.raises(ValueError, match="C-contiguous"):
         cuda_k.chunk_class_starts(numba_cuda.to_device(np.zeros((4, 4), np.uint16))[:, 1], 7, 255)
+
+
+# --- live-tensor kernels: word_sum, ranked_positions, add_at ------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_word_sum(cuda_k, cpu_k, dtype):
+    """Sizes that leave every possible tail (0 to 7 bytes) and span many blocks (a block sums
+    8 words with SMALL_LAUNCH, 4 blocks per sweep); an unaligned host view; a device array."""
+    rng = np.random.default_rng(20)
+    for n in [0, 1, 2, 3, 5, 7, 8, 9, 31, 67, 301]:
+        a = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+        want = word_sum_ref(a)
+        assert cpu_k.word_sum(a) == want
+        assert cuda_k.word_sum(a) == want
+        assert cuda_k.word_sum(numba_cuda.to_device(a)) == want
+    raw = rng.integers(0, 255, 8 * 40 + 1, dtype=np.uint8)
+    assert cpu_k.word_sum(raw[1:]) == cuda_k.word_sum(raw[1:]) == word_sum_ref(raw[1:])
+
+
+def test_word_sum_large_on_cpu(cpu_k):
+    rng = np.random.default_rng(21)
+    a = rng.integers(0, 2**16, 3 * (1 << 16) + 7, dtype=np.uint16)  # several CPU ranges and a tail
+    assert cpu_k.word_sum(a) == word_sum_ref(a)
+    b = a.copy()
+    b[12345] ^= 1
+    assert cpu_k.word_sum(b) != cpu_k.word_sum(a)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_ranked_positions(cuda_k, cpu_k, case):
+    _, make, shift, mask = case
+    rng = np.random.default_rng(22)
+    for n, density in [(1, "all"), (130, 0.0), (301, 0.05), (145, 0.3), (77, "all")]:
+        base = make(rng, n)
+        positions = pick_positions(rng, n, density)
+        ranks, _ = class_ranks_ref(base, shift, mask, positions)
+        offsets, ranks_cm, _ = listed_entries(base, shift, mask, positions, ranks, rng)
+        want, found = ranked_positions_ref(base, shift, mask, offsets, ranks_cm)
+        assert found == positions.size
+        assert sorted(want.tolist()) == positions.tolist()
+        for starts in (cuda_k.chunk_class_starts(base, shift, mask)[0], cpu_k.chunk_class_starts(base, shift, mask)[0]):
+            for k in (cuda_k, cpu_k):
+                where, got = k.ranked_positions(base, shift, mask, starts, offsets, ranks_cm)
+                assert got == found
+                np.testing.assert_array_equal(where, want)
+
+
+def test_ranked_positions_hostile_ranks(cuda_k, cpu_k):
+    """Ranks past their class, negative ranks, a class the base lacks: -1 and not counted."""
+    rng = np.random.default_rng(23)
+    base = bf16_like(rng, 200)
+    sizes = np.bincount(np.array(classes_ref(base, 7, 255)), minlength=256)
+    k_big, k_empty = int(np.argmax(sizes)), int(np.flatnonzero(sizes == 0)[0])
+    per_class = {k_big: [-3, 0, 2, int(sizes[k_big]), 2**62], k_empty: [0, 4]}
+    offsets = np.zeros(257, np.int64)
+    ranks = []
+    for k in range(256):
+        ranks += per_class.get(k, [])
+        offsets[k + 1] = len(ranks)
+    ranks = np.array(ranks, np.int64)
+    want, found = ranked_positions_ref(base, 7, 255, offsets, ranks)
+    assert found == 2
+    for k in (cuda_k, cpu_k):
+        starts, _ = k.chunk_class_starts(base, 7, 255)
+        where, got = k.ranked_positions(base, 7, 255, starts, offsets, ranks)
+        assert got == found
+        np.testing.assert_array_equal(where, want)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_add_at(cuda_k, cpu_k, dtype):
+    """In place, wrapping modulo 2**width, old values returned for the undo log; out-of-range
+    positions skipped and counted; host and device `out`."""
+    rng = np.random.default_rng(24)
+    base = rng.integers(0, np.iinfo(dtype).max, 301, dtype=dtype, endpoint=True)
+    positions = rng.permutation(base.size)[:90].astype(np.int64)
+    positions[[3, 40]] = [-1, 2**62]
+    deltas = rng.integers(0, np.iinfo(np.uint64).max, positions.size, dtype=np.uint64, endpoint=True)
+    want = base.copy()
+    want_old, want_bad = add_at_ref(want, positions, deltas)
+    assert want_bad == 2
+    for k in (cuda_k, cpu_k):
+        out = base.copy()
+        old, bad = k.add_at(out, positions, deltas)
+        assert bad == want_bad
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(old, want_old)
+        assert k.scatter(out, positions, old) == 2  # the undo log puts the tensor back
+        np.testing.assert_array_equal(out, base)
+    d_out = numba_cuda.to_device(base)
+    old, bad = cuda_k.add_at(d_out, numba_cuda.to_device(positions), numba_cuda.to_device(deltas))
+    assert on_device(old) and bad == want_bad
+    np.testing.assert_array_equal(d_out.copy_to_host(), want)
+    np.testing.assert_array_equal(old.copy_to_host(), want_old)
 
 
 # --- ctx-rans across backends ------------------------------------------------------------

@@ -62,6 +62,18 @@ class Backend(Protocol):
     def class_major_order(self, classes: "np.ndarray", ncls: int) -> "np.ndarray":
         """The stable permutation grouping indices by class."""
 
+    # Patching live tensors in place (pulsediff.live): each reads or writes the tensor where it lives.
+    def word_sum(self, data: "np.ndarray") -> int:
+        """FORMAT.md §3.1's sum64 of the array's bytes: the base and target check of a live apply."""
+
+    def ranked_positions(self, base: "np.ndarray", shift: int, mask: int, starts: "np.ndarray",
+                         class_offsets: "np.ndarray", ranks: "np.ndarray") -> "tuple[np.ndarray, int]":
+        """apply_ranked's walk, noting where each (class, rank) entry lies (-1: not found); and how many were."""
+
+    def add_at(self, out: "np.ndarray", positions: "np.ndarray",
+               deltas: "np.ndarray") -> "tuple[np.ndarray, int]":
+        """out[positions] += un-zigzagged deltas in place; the old values (an undo log) and the out-of-range count."""
+
 
 KERNELS = tuple(name for name in vars(Backend) if not name.startswith("_"))
 

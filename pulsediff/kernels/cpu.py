@@ -511,3 +511,125 @@ def class_major_order(classes, ncls):
         order[counts[k]] = i
         counts[k] += 1
     return order
+
+
+# -- word sums (FORMAT.md §3.1): the per-tensor check a device can afford ------------
+
+# sum64 of a tensor's bytes: zero-padded to whole 8-byte little-endian words w_j,
+# sum over j of mix(w_j ^ (j + 1) * PHI) mod 2**64, mix being MurmurHash3's 64-bit
+# finalizer (Appleby), a bijection: so one changed word always changes the sum, and
+# a change of k elements touches at most k terms.
+WORD_SUM_PHI = 0x9E3779B97F4A7C15
+WORD_SUM_M1 = 0xFF51AFD7ED558CCD
+WORD_SUM_M2 = 0xC4CEB9FE1A85EC53
+_PHI = np.uint64(WORD_SUM_PHI)
+_M1 = np.uint64(WORD_SUM_M1)
+_M2 = np.uint64(WORD_SUM_M2)
+_S33 = np.uint64(33)
+
+
+@njit(cache=True, nogil=True)
+def _word_sum_range(words, lo, hi):
+    total = np.uint64(0)
+    key = np.uint64(lo + 1) * _PHI
+    for j in range(lo, hi):
+        x = words[j] ^ key
+        x ^= x >> _S33
+        x *= _M1
+        x ^= x >> _S33
+        x *= _M2
+        x ^= x >> _S33
+        total += x
+        key += _PHI
+    return total
+
+
+def _word_sum_tail(data: np.ndarray, nwords: int) -> int:
+    """The last, zero-padded word's term (Python ints: exact mod 2**64)."""
+    tail = bytes(data[8 * nwords:]) + bytes(8 - (data.size - 8 * nwords))
+    x = int.from_bytes(tail, "little") ^ ((nwords + 1) * WORD_SUM_PHI & 0xFFFFFFFFFFFFFFFF)
+    for mult in (WORD_SUM_M1, WORD_SUM_M2):
+        x ^= x >> 33
+        x = x * mult & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 33)
+
+
+def word_sum(data: np.ndarray) -> int:
+    """FORMAT.md §3.1's sum64 of the array's bytes (C order), as an int in [0, 2**64)."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    nwords = raw.size // 8
+    words = raw[:8 * nwords].view(np.uint64)
+    ranges = chunk_ranges(nwords, chunk_count(nwords))
+    total = sum(int(s) for s in parallel_map(_word_sum_range, [(words, lo, hi) for lo, hi in ranges]))
+    if raw.size % 8:
+        total += _word_sum_tail(raw, nwords)
+    return total & 0xFFFFFFFFFFFFFFFF
+
+
+# -- ranked positions and in-place updates: patching live tensors --------------------
+
+
+@njit(cache=True, nogil=True)
+def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, ranks, where):
+    # The walk of apply_ranked, recording where each listed (class, rank) entry lies
+    # instead of writing the element.
+    ptr, nxt = _next_listed(counter, class_offsets, ranks, mask + 1)
+    done = 0
+    for i in range(lo, hi):
+        k = (np.int64(base[i]) >> shift) & mask
+        r = counter[k]
+        counter[k] = r + 1
+        if r == nxt[k]:
+            p = ptr[k]
+            where[p] = i
+            p += 1
+            ptr[k] = p
+            nxt[k] = ranks[p] if p < class_offsets[k + 1] else -1
+            done += 1
+    return done
+
+
+def ranked_positions(base, shift, mask, starts, class_offsets, ranks) -> tuple[np.ndarray, int]:
+    """Where each (class, rank) entry lies in `base`: positions in entry order (-1 for an entry
+    whose rank is outside its class or not above the previous one's), and how many were found.
+
+    `starts` comes from either backend's `chunk_class_starts` of this base.
+    """
+    where = np.full(ranks.size, -1, np.int64)
+    if base.size == 0:
+        return where, 0
+    ranges = chunk_ranges(base.size, starts.shape[0])
+    tasks = [(base, lo, hi, shift, mask, starts[c].copy(), class_offsets, ranks, where)
+             for c, (lo, hi) in enumerate(ranges) if hi > lo]
+    return where, int(sum(parallel_map(_ranked_positions_range, tasks)))
+
+
+@njit(cache=True, nogil=True)
+def _add_at_range(out, positions, deltas, old, lo, hi):
+    n = out.size
+    bad = 0
+    for e in range(lo, hi):
+        p = positions[e]
+        if p >= 0 and p < n:
+            v = out[p]
+            old[e] = v
+            z = np.uint64(deltas[e])
+            out[p] = v + ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1))))  # un-zigzag, wraps
+        else:
+            bad += 1
+    return bad
+
+
+def add_at(out, positions, deltas) -> tuple[np.ndarray, int]:
+    """out[positions] += un-zigzagged deltas (mod 2**width), in place; returns the old values
+    (for an undo log) and how many positions were out of range (skipped, their old value 0).
+    Positions must be distinct."""
+    if deltas.size != positions.size:
+        raise ValueError("add_at needs as many deltas as positions")
+    old = np.zeros(positions.size, out.dtype)
+    m = positions.size
+    if m == 0:
+        return old, 0
+    ranges = chunk_ranges(m, chunk_count(m))
+    bad = sum(parallel_map(_add_at_range, [(out, positions, deltas, old, lo, hi) for lo, hi in ranges]))
+    return old, int(bad)

@@ -142,7 +142,7 @@ Importing this module needs no GPU; kernels compile on first call.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int32, int64
+from numba import cuda, int32, int64, uint64
 
 # Module-level so tests can shrink them and make tiny inputs cross tile and
 # block boundaries. Read at every call.
@@ -781,7 +781,9 @@ def _nth_from_end(classes, k, back):
 
 
 @cuda.jit(cache=True)
-def _apply_ranges(base, shift, mask, wmask, step, starts, class_offsets, ranks, deltas, out, copy, applied):
+def _apply_ranges(base, shift, mask, wmask, step, starts, class_offsets, ranks, deltas, out, copy, record, where,
+                  applied):
+    # record: note each entry's position in `where` instead of writing `out` (ranked_positions).
     sh = cuda.shared.array(0, int32)
     tid = cuda.threadIdx.x
     tpb = cuda.blockDim.x
@@ -835,10 +837,13 @@ def _apply_ranges(base, shift, mask, wmask, step, starts, class_offsets, ranks, 
                             off = _nth_from_end(classes, c, limit - 1 - r)
                             if off >= 0:
                                 pos = rnd + off
-                                z = int64(deltas[e])
-                                delta = ((z >> 1) & _INT64_MAX) ^ -(z & 1)  # un-zigzag
-                                # Wraps modulo 2**width: exact integer arithmetic on bit patterns.
-                                out[pos] = (int64(base[pos]) + delta) & wmask
+                                if record:
+                                    where[e] = pos
+                                else:
+                                    z = int64(deltas[e])
+                                    delta = ((z >> 1) & _INT64_MAX) ^ -(z & 1)  # un-zigzag
+                                    # Wraps modulo 2**width: exact integer arithmetic on bit patterns.
+                                    out[pos] = (int64(base[pos]) + delta) & wmask
                                 done += 1
                         e += 1
                     nxt[c] = e - a
@@ -934,6 +939,39 @@ def class_ranks(base, shift: int, mask: int, positions):
     return ranks.copy_to_host(), sizes.copy_to_host()
 
 
+def _walk_tables(n: int, mask: int, starts, class_offsets, ranks):
+    """apply_ranked's and ranked_positions' tables on the device, checked: (starts, step, offsets, ranks)."""
+    ncls = mask + 1
+    d_starts = _table(starts, ncls, "starts")
+    rows = d_starts.shape[0]
+    if rows < 1:
+        raise ValueError("starts has no rows")
+    step = -(-n // rows)
+    if step >= _FAR:
+        raise ValueError(f"ranges of {step} elements are too long for the CUDA kernels (at most {_FAR - 1}); "
+                         "use this backend's chunk_class_starts")
+    d_offsets = _indices(class_offsets)
+    if d_offsets.size != ncls + 1:
+        raise ValueError(f"class_offsets has {d_offsets.size} entries, the class mask needs {ncls + 1}")
+    d_ranks = _indices(ranks)
+    if d_ranks.size >= 1 << 31:
+        raise ValueError("more than 2**31 - 1 entries: per-class indices are int32 in shared memory")
+    return d_starts, step, d_offsets, d_ranks
+
+
+def _walk(d_base, shift, mask, wmask, step, d_starts, d_offsets, d_ranks, d_deltas, d_out, copy, where):
+    """Launch the ranked walk; returns the number of entries placed."""
+    tpb, _, _ = _launch_config()
+    grid = _class_grid(d_starts.shape[0])
+    applied = _zeros(grid, np.int64)
+    record = where is not None
+    if where is None:
+        where = d_offsets  # not written when not recording
+    _apply_ranges[grid, tpb, 0, (2 * (mask + 1) + tpb) * 4](d_base, shift, mask, wmask, step, d_starts, d_offsets,
+                                                           d_ranks, d_deltas, d_out, copy, record, where, applied)
+    return int(applied.copy_to_host().sum())
+
+
 def apply_ranked(base, shift: int, mask: int, starts, class_offsets, ranks, deltas, out) -> int:
     """Write base + deltas into `out` (every element: `out` need not be initialised, or may be
     `base` itself); returns how many (class, rank) entries were applied.
@@ -953,22 +991,10 @@ def apply_ranked(base, shift: int, mask: int, starts, class_offsets, ranks, delt
         raise ValueError(f"out has {out.size} elements, base {n}")
     if n == 0:
         return 0
-    ncls = mask + 1
     width = np.dtype(base.dtype).itemsize
     if np.dtype(out.dtype).itemsize != width:
         raise ValueError(f"out has {np.dtype(out.dtype).itemsize}-byte elements, base {width}-byte ones")
-    d_starts = _table(starts, ncls, "starts")
-    rows = d_starts.shape[0]
-    if rows < 1:
-        raise ValueError("starts has no rows")
-    step = -(-n // rows)
-    if step >= _FAR:
-        raise ValueError(f"ranges of {step} elements are too long for the CUDA kernels (at most {_FAR - 1}); "
-                         "use this backend's chunk_class_starts")
-    d_offsets = _indices(class_offsets)
-    if d_offsets.size != ncls + 1:
-        raise ValueError(f"class_offsets has {d_offsets.size} entries, the class mask needs {ncls + 1}")
-    d_ranks = _indices(ranks)
+    d_starts, step, d_offsets, d_ranks = _walk_tables(n, mask, starts, class_offsets, ranks)
     if is_device_array(deltas):
         d_deltas = _device_view(deltas)
         if d_deltas.dtype.kind not in "iu":
@@ -979,8 +1005,6 @@ def apply_ranked(base, shift: int, mask: int, starts, class_offsets, ranks, delt
         d_deltas = d_deltas.view(np.int64)  # the kernel un-zigzags in int64: same bits
     if d_deltas.size != d_ranks.size:
         raise ValueError(f"{d_deltas.size} deltas for {d_ranks.size} ranks")
-    if d_ranks.size >= 1 << 31:
-        raise ValueError("more than 2**31 - 1 entries: per-class indices are int32 in shared memory")
 
     in_place = _address(out) == _address(base)
     d_base = _bits(base, signed64=True)
@@ -989,17 +1013,29 @@ def apply_ranked(base, shift: int, mask: int, starts, class_offsets, ranks, delt
     else:
         d_out = _bits(out, signed64=True) if out_on_device else cuda.device_array(n, d_base.dtype)
     wmask = -1 if width == 8 else (1 << (8 * width)) - 1
-    tpb, _, _ = _launch_config()
-    grid = _class_grid(rows)
-    applied = _zeros(grid, np.int64)
-    _apply_ranges[grid, tpb, 0, (2 * ncls + tpb) * 4](d_base, shift, mask, wmask, step, d_starts, d_offsets, d_ranks,
-                                                     d_deltas, d_out, not in_place, applied)
+    applied = _walk(d_base, shift, mask, wmask, step, d_starts, d_offsets, d_ranks, d_deltas, d_out, not in_place, None)
     if not out_on_device:
         if out.flags.c_contiguous:
             d_out.copy_to_host(_host_bits(out, signed64=True))
         else:
             out[...] = d_out.copy_to_host().view(out.dtype).reshape(out.shape)
-    return int(applied.copy_to_host().sum())
+    return applied
+
+
+def ranked_positions(base, shift: int, mask: int, starts, class_offsets, ranks):
+    """Where each (class, rank) entry lies in `base`: int64 positions in entry order (-1 for
+    an entry apply_ranked would not apply), and how many were found. Device base in: the
+    positions stay on the device."""
+    _check_class_field(shift, mask)
+    on_device = is_device_array(base)
+    d_base = _bits(base, signed64=True)
+    n = d_base.size
+    d_starts, step, d_offsets, d_ranks = _walk_tables(max(n, 1), mask, starts, class_offsets, ranks)
+    where = cuda.to_device(np.full(d_ranks.size, -1, np.int64))
+    found = 0
+    if n and d_ranks.size:
+        found = _walk(d_base, shift, mask, 0, step, d_starts, d_offsets, d_ranks, d_ranks, d_base, False, where)
+    return (where if on_device else where.copy_to_host()), found
 
 
 @cuda.jit(cache=True)
@@ -1054,8 +1090,114 @@ def diff_ranks(old, new, shift: int, mask: int):
     return zigzag.copy_to_host(), classes.copy_to_host(), ranks.copy_to_host(), sizes.copy_to_host()
 
 
+# --- word sums and in-place updates: patching live tensors -----------------------------
+
+# FORMAT.md §3.1's sum64; the constants are kernels.cpu's.
+_PHI = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
+@cuda.jit(cache=True)
+def _word_sums(elems, per_word, width_bits, nwords, partial):
+    # Word j is elements [j * per_word, (j + 1) * per_word), little-endian, zeros past the
+    # end: adjacent threads read adjacent 8 bytes (coalesced), and the tail needs no copy.
+    sh = cuda.shared.array(0, uint64)
+    n = elems.size
+    total = uint64(0)
+    for j in range(cuda.grid(1), nwords, cuda.gridsize(1)):
+        w = uint64(0)
+        first = j * per_word
+        for t in range(per_word):
+            if first + t < n:
+                w |= uint64(elems[first + t]) << uint64(width_bits * t)
+        x = w ^ (uint64(j + 1) * _PHI)
+        x ^= x >> _S33
+        x *= _M1
+        x ^= x >> _S33
+        x *= _M2
+        x ^= x >> _S33
+        total += x
+    block = _block_sum(sh, total)
+    if cuda.threadIdx.x == 0:
+        partial[cuda.blockIdx.x] = block
+
+
+def word_sum(data) -> int:
+    """FORMAT.md §3.1's sum64 of the array's bytes, as an int in [0, 2**64): one read of
+    the array on the device, a sum per block, the block sums added on the host."""
+    d = _bits(_arg(data))
+    width = np.dtype(d.dtype).itemsize
+    per_word = 8 // width
+    nwords = -(-d.size // per_word)
+    if nwords == 0:
+        return 0
+    tpb, _, max_blocks = _launch_config()
+    grid = min(-(-nwords // tpb), max_blocks)
+    partial = cuda.device_array(grid, np.uint64)
+    _word_sums[grid, tpb, 0, tpb * _SHARED_ITEM](d, per_word, 8 * width, nwords, partial)
+    return int(partial.copy_to_host().sum(dtype=np.uint64))
+
+
+@cuda.jit(cache=True)
+def _add_at(out, positions, deltas, wmask, old, bad_per_block):
+    sh = cuda.shared.array(0, int64)
+    n = out.size
+    bad = 0
+    for e in range(cuda.grid(1), positions.size, cuda.gridsize(1)):
+        p = positions[e]
+        if p >= 0 and p < n:  # a hostile patch must not write past the tensor
+            v = out[p]
+            old[e] = v
+            z = int64(deltas[e])
+            delta = ((z >> 1) & _INT64_MAX) ^ -(z & 1)  # un-zigzag
+            out[p] = (int64(v) + delta) & wmask  # wraps modulo 2**width
+        else:
+            bad += 1
+    total = _block_sum(sh, bad)
+    if cuda.threadIdx.x == 0:
+        bad_per_block[cuda.blockIdx.x] = total
+
+
+def add_at(out, positions, deltas):
+    """out[positions] += un-zigzagged deltas (mod 2**width), in place; returns the old values
+    (for an undo log; on the device when `out` is) and how many positions were out of
+    range (skipped, their old value 0). Positions must be distinct."""
+    out_on_device = is_device_array(out)
+    out, positions, deltas = _arg(out), _arg(positions), _arg(deltas)
+    if positions.size != deltas.size:
+        raise ValueError(f"{deltas.size} deltas for {positions.size} positions")
+    width = np.dtype(out.dtype).itemsize
+    m = positions.size
+    if out_on_device:
+        d_out = _bits(out, signed64=True)
+    else:
+        if not out.flags.c_contiguous:
+            raise ValueError("a host `out` must be C-contiguous")
+        flat = out.reshape(-1)
+        d_out = cuda.to_device(_host_bits(flat, signed64=True))
+    old = cuda.to_device(np.zeros(m, d_out.dtype))
+    bad = 0
+    if m:
+        d_deltas = _device_view(deltas) if is_device_array(deltas) else cuda.to_device(np.ascontiguousarray(deltas))
+        if d_deltas.dtype.itemsize == 8 and d_deltas.dtype != np.int64:
+            d_deltas = d_deltas.view(np.int64)
+        tpb, _, max_blocks = _launch_config()
+        grid = min(-(-m // tpb), max_blocks)
+        d_bad = cuda.device_array(grid, np.int64)
+        wmask = -1 if width == 8 else (1 << (8 * width)) - 1
+        _add_at[grid, tpb, 0, tpb * _SHARED_ITEM](d_out, _indices(positions), d_deltas, wmask, old, d_bad)
+        bad = int(d_bad.copy_to_host().sum())
+    unsigned = old.view(_UNSIGNED[width]) if width == 8 else old
+    if out_on_device:
+        return unsigned, bad
+    d_out.copy_to_host(_host_bits(flat, signed64=True))
+    return unsigned.copy_to_host(), bad
+
+
 # Not on the device: the counting sort of the changed elements' classes (small, make side).
 from .cpu import class_major_order  # noqa: E402
 
 __all__ = ["diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks", "apply_ranked",
-           "diff_ranks", "class_major_order", "is_device_array"]
+           "diff_ranks", "class_major_order", "word_sum", "ranked_positions", "add_at", "is_device_array"]
