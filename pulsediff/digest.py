@@ -13,6 +13,11 @@ tensors are those seen through the BF16 cast.
 
 XXH3 is not cryptographic: digests catch mistakes and damage (wrong base,
 flipped bits), not an attacker who controls both patch and checkpoint.
+
+Since format 1.2 a patch also records each tensor's word sum (FORMAT.md §3.1,
+kernels' `word_sum`): a sum over 8-byte words that a GPU computes in one
+parallel pass, and that changes in the words an update touches only, so a live
+apply checks base and target where the tensors live.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def checkpoint_digest(tensors: Iterable[TensorId]) -> str:
 
 _DIGEST = re.compile(re.escape(DIGEST_PREFIX) + "[0-9a-f]{32}")
 _TENSOR_HASH = re.compile("[0-9a-f]{32}")
+_WORD_SUM = re.compile("[0-9a-f]{16}")
 
 
 def is_digest(value: object) -> bool:
@@ -64,3 +70,19 @@ def is_digest(value: object) -> bool:
 
 def is_tensor_hash(value: object) -> bool:
     return isinstance(value, str) and _TENSOR_HASH.fullmatch(value) is not None
+
+
+def is_word_sum(value: object) -> bool:
+    return isinstance(value, str) and _WORD_SUM.fullmatch(value) is not None
+
+
+def format_word_sum(value: int) -> str:
+    return f"{value:016x}"
+
+
+def tensor_checks(bits: np.ndarray) -> tuple[str, str]:
+    """A tensor's XXH3-128 hash and its word sum (FORMAT.md §3.1), both as hex: what a
+    patch records for each base and target tensor."""
+    from .kernels.cpu import word_sum
+
+    return tensor_hash(bits), format_word_sum(word_sum(bits))

@@ -26,7 +26,7 @@ from .live import open_source
 from .codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
 from .codecs.base import zstd_compress
 from .codecs.gap_zstd import gap_width
-from .digest import TensorId, checkpoint_digest, tensor_hash
+from .digest import TensorId, checkpoint_digest, tensor_checks, tensor_hash
 from .errors import UsageError
 from .folder_files import file_hash, folder_files, read_folder_file
 from .format import SectionRef, encode_header, encode_preamble, section_checksum
@@ -175,22 +175,24 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             tgt = target.get(name)
             base = old.get(name) if name in old.ckpt else None
             if base is not None:
-                tgt_hash, base_hash = parallel_map(tensor_hash, [(tgt.bits,), (base.bits,)])
+                (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(tensor_checks, [(tgt.bits,), (base.bits,)])
                 base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
                 progress.advance(old.ckpt.entry(name).nbytes)
                 if base.dtype is not tgt.dtype or base.shape != tgt.shape:
                     base = None
             else:
-                tgt_hash = tensor_hash(tgt.bits)
+                tgt_hash, tgt_sum = tensor_checks(tgt.bits)
             if base is None:
                 records.extend(encoder.finish())  # its section comes first
                 enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
                 records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
-                                            section=write_section(enc.parts, full.id, enc.params)))
+                                            section=write_section(enc.parts, full.id, enc.params),
+                                            target_sum=tgt_sum))
             elif base_hash == tgt_hash:
                 # XXH3-128 equality stands for bit equality, as it does for the digests.
                 records.extend(encoder.finish())
-                records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash))
+                records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash,
+                                            target_sum=tgt_sum, base_sum=tgt_sum))
             else:
                 # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
                 max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
@@ -199,14 +201,16 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
                     return sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
                                               max_changed=max_changed)
 
-                def record_of(result, tgt=tgt, tgt_hash=tgt_hash, base_hash=base_hash) -> TensorRecord:
+                def record_of(result, tgt=tgt, tgt_hash=tgt_hash, base_hash=base_hash, tgt_sum=tgt_sum,
+                              base_sum=base_sum) -> TensorRecord:
                     changed, enc = result
                     codec, op = (sparse, "patch") if enc is not None else (full, "full")
                     if enc is None:
                         enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
                     return TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
                                         base_hash if op == "patch" else None,
-                                        write_section(enc.parts, codec.id, enc.params))
+                                        write_section(enc.parts, codec.id, enc.params),
+                                        tgt_sum, base_sum if op == "patch" else None)
 
                 records.extend(encoder.submit(encode, record_of, tgt.bits.nbytes + base.bits.nbytes))
             progress.advance(stored_bytes)

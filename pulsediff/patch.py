@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint import PRECISIONS, is_plain_filename
 from .codecs import get_codec
-from .digest import TensorId, checkpoint_digest, is_digest, is_tensor_hash
+from .digest import TensorId, checkpoint_digest, is_digest, is_tensor_hash, is_word_sum
 from .dtypes import DType, lookup
 from .errors import CorruptPatchError
 from .folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
@@ -35,6 +35,9 @@ class TensorRecord:
     target_hash: str
     base_hash: str | None = None  # for "same" and "patch"
     section: SectionRef | None = None  # for "patch" and "full"
+    # Format 1.2 (§3.1): word sums, the check a live apply can afford on a GPU. None in older patches.
+    target_sum: str | None = None
+    base_sum: str | None = None  # with base_hash
 
     @property
     def numel(self) -> int:
@@ -49,6 +52,10 @@ class TensorRecord:
                "changed": self.changed, "target_hash": self.target_hash}
         if self.base_hash is not None:
             out["base_hash"] = self.base_hash
+        if self.target_sum is not None:
+            out["target_sum"] = self.target_sum
+        if self.base_sum is not None:
+            out["base_sum"] = self.base_sum
         if self.section is not None:
             out["section"] = self.section.to_json()
         return out
@@ -192,6 +199,8 @@ class _Parser:
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise self.fail("tensors names a tensor twice")
+        if len({t.target_sum is None for t in tensors}) > 1:  # 1.2: every tensor or none (§3.1)
+            raise self.fail("tensors carry word sums for some tensors only")
         # The target digest is the digest of these entries (§3): one that is not names another checkpoint
         # than the entries rebuild (squash wrote such a patch, then failed an assertion).
         if checkpoint_digest(TensorId(t.name, t.dtype.name, t.shape, t.target_hash) for t in tensors) != target_digest:
@@ -251,6 +260,7 @@ class _Parser:
         base_hash = obj.get("base_hash")
         if not is_tensor_hash(target_hash) or (op != "full" and not is_tensor_hash(base_hash)):
             raise self.fail(f"{where} has a malformed tensor hash")
+        target_sum, base_sum = self.word_sums(obj, where, op)
         section = self.section(obj, where) if op != "same" else None
         if section is not None:
             codec = get_codec(section.codec)
@@ -262,7 +272,21 @@ class _Parser:
                 raise self.fail(f"{where}: the codec's count contradicts changed")
             if not 0 <= codec.index_bytes(section.params) <= section.length:
                 raise self.fail(f"{where}: the codec's index size is invalid")
-        return TensorRecord(name, dtype, tuple(shape), op, changed, target_hash, base_hash if op != "full" else None, section)
+        return TensorRecord(name, dtype, tuple(shape), op, changed, target_hash, base_hash if op != "full" else None,
+                            section, target_sum, base_sum)
+
+    def word_sums(self, obj: dict, where: str, op: str) -> tuple[str | None, str | None]:
+        """Format 1.2's target_sum and base_sum (§3.1): both or neither; no base_sum for a tensor
+        carried whole; a `same` tensor's two sums are one."""
+        target_sum, base_sum = obj.get("target_sum"), obj.get("base_sum")
+        if target_sum is None and base_sum is None:
+            return None, None
+        if not is_word_sum(target_sum) or (op == "full") != (base_sum is None) or \
+                (base_sum is not None and not is_word_sum(base_sum)):
+            raise self.fail(f"{where} has malformed or missing word sums")
+        if op == "same" and base_sum != target_sum:
+            raise self.fail(f"{where}: a tensor kept the same has two word sums")
+        return target_sum, base_sum
 
     def layout(self, obj, n_tensors: int) -> Layout:
         kind = self.get(obj, "kind", str, "layout")

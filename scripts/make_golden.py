@@ -7,6 +7,7 @@ is that patches written by an old pulsediff keep applying, byte for byte.
 
     python scripts/make_golden.py tests/golden/v1      # format 1.0 (committed by pulsediff 0.1.0)
     python scripts/make_golden.py tests/golden/v1.1    # format 1.1: layout digest, model folders
+    python scripts/make_golden.py tests/golden/v1.2    # format 1.2: per-tensor word sums
 """
 
 from __future__ import annotations
