@@ -12,15 +12,24 @@ neither should write a checkpoint file just to diff or patch it.
 - `apply_to_state_dict` patches a mapping of live tensors in place, touching
   only the elements that change.
 
-What is checked, and what it costs (docs/FORMAT.md §7.1): the live tensors'
-digest is computed before anything is written (every base tensor hashed, as
-for files), each tensor's rebuilt values are checked against the patch's
-target hash before any of them is written, and a failure part-way through
-restores the tensors already changed from an undo log of their old values at
-the changed positions. On CPU the tensors are read in place (zero-copy); a
-CUDA tensor is copied to the host to be hashed and decoded, and only the
-changed elements are written back to the device. A device-side digest, which
-would spare that copy, is not built yet.
+What is checked, and what it costs (docs/FORMAT.md §7.1), in one of two ways:
+
+- `check="digests"` (the default for tensors in CPU memory, and for patches
+  older than format 1.2): the live tensors' digest is computed before anything
+  is written (every base tensor hashed, as for files), each tensor's rebuilt
+  values are checked against the patch's target hash before any of them is
+  written. CPU tensors are read in place; a CUDA tensor is copied to the host.
+- `check="sums"` (the default when a tensor lives on a GPU and the patch is
+  1.2 or later): every tensor's word sum (§3.1) is computed where it lives and
+  compared with the patch's base sums before anything is written; each patched
+  tensor is updated where it lives and its word sum checked against the
+  target's. For ctx-rans sections nothing but the entropy decode runs on the
+  host: the class counts, the rank walk and the in-place update run on the
+  tensor's device (kernels' `chunk_class_starts`, `ranked_positions`,
+  `add_at`), and only the changed elements' ranks and deltas cross the bus.
+
+Either way a failure part-way through restores the tensors already changed
+from an undo log of their old values at the changed positions.
 """
 
 from __future__ import annotations
@@ -133,8 +142,11 @@ class LiveApplyResult:
     target_digest: str
 
 
+CHECKS = ("auto", "digests", "sums")
+
+
 def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
-                        device: str | None = None) -> LiveApplyResult:
+                        device: str | None = None, check: str = "auto") -> LiveApplyResult:
     """Apply one patch, or a chain of patches in order, to live tensors in place.
 
     `tensors` maps names to torch tensors (CPU or CUDA), e.g. `model.state_dict()`
@@ -142,26 +154,36 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     target must have the same tensor names, dtypes and shapes as `tensors`:
     a live model cannot grow or lose a tensor. Each patch is a path, a
     binary stream or bytes. On any error the tensors are as they were.
+
+    `check` chooses how base and target are verified (module docstring):
+    "digests", "sums", or "auto" (sums when a tensor is on a GPU and the
+    patch carries them). `device` chooses the kernels of the digests path
+    (the sums path runs each tensor's kernels where the tensor is).
     """
     if not isinstance(patches, list):
         patches = [patches]
     if not patches:
         raise UsageError("give at least one patch")
+    if check not in CHECKS:
+        raise UsageError(f"unknown check {check!r}; choose one of {', '.join(CHECKS)}")
     changed_tensors: set[str] = set()
     changed_elements = 0
-    undo: list[tuple[str, np.ndarray, np.ndarray]] = []  # (name, positions, old bits) in write order
+    undo: list[_Undo] = []  # in write order
+    known: dict[str, int] = {}  # word sums known since the last patch (sums path)
     status = "up-to-date"
     target = ""
     try:
         for patch in patches:
-            step = _apply_one(tensors, patch, device, undo)
+            step = _apply_one(tensors, patch, device, check, undo, known)
             target = step.target_digest
             if step.status == "applied":
                 status = "applied"
                 changed_tensors |= step.names
                 changed_elements += step.elements
-    except BaseException:
-        _roll_back(tensors, undo)
+    except BaseException as exc:
+        lost = _roll_back(undo)
+        if lost:
+            exc.add_note("not put back (interrupted during the write): " + ", ".join(sorted(set(lost))))
         raise
     return LiveApplyResult(status, len(changed_tensors), changed_elements, target)
 
@@ -174,7 +196,7 @@ class _Step:
     elements: int
 
 
-def _apply_one(tensors: MutableMapping, patch, device, undo) -> _Step:
+def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _Step:
     from .apply import open_patch, read_layout, rebuild_tensor
     from .codecs.base import Scratch
     from .inspect import tensor_ids
@@ -191,6 +213,19 @@ def _apply_one(tensors: MutableMapping, patch, device, undo) -> _Step:
             if live.entry(name).dtype is not rec.dtype:
                 raise TensorMismatchError(f"live tensor {name!r} is {live.entry(name).dtype.name}, "
                                           f"the patch's target {rec.dtype.name}")
+        for name, t in tensors.items():
+            if not t.is_contiguous():  # a write through a copy would be lost
+                raise UsageError(f"live tensor {name!r} is not contiguous; patch contiguous tensors "
+                                 "(e.g. model.state_dict())")
+        has_sums = all(r.target_sum is not None for r in header.tensors)
+        if check == "sums" and not has_sums:
+            raise UsageError(f"{reader.source} carries no word sums (format 1.2 added them); "
+                             "apply it with check='digests'")
+        on_gpu = any(t.device.type != "cpu" for t in tensors.values())
+        if check == "sums" or (check == "auto" and on_gpu and has_sums):
+            views = {name: device_bits(t) for name, t in tensors.items()}
+            return apply_by_sums(views, reader, header, undo, known)
+        known.clear()
         ids = tensor_ids(TensorView(live, header.precision))
         digest = checkpoint_digest(ids.values())
         if digest == header.target_digest:
@@ -213,21 +248,137 @@ def _apply_one(tensors: MutableMapping, patch, device, undo) -> _Step:
             base = live.raw_bytes(rec.name).view(rec.dtype.bits_dtype)
             new = rebuild_tensor(rec, payload, base if rec.op == "patch" else None, backend, reader.source, scratch)
             positions = np.flatnonzero(new != base)
-            changes.append((rec.name, positions, new[positions].copy()))
+            changes.append((rec.name, positions, new[positions].copy(), base[positions].copy()))
         for f in header.files:  # a model folder's config and tokenizer: checked, not used here
             if f.section is not None:
                 reader.read_next(f.section, f"file {f.name!r}")
         reader.expect_end(header.sections_length)
         names, elements = set(), 0
-        for name, positions, values in changes:
+        for name, positions, values, old in changes:
             if positions.size:
-                _write(tensors[name], positions, values, undo)
+                view = device_bits(tensors[name])
+                undo.append(_Undo(name, view, positions, old))
+                _kernels_for(view).scatter(view, positions, values)
                 names.add(name)
                 elements += int(positions.size)
         return _Step("applied", header.target_digest, names, elements)
     finally:
         if owned:
             owned.close()
+
+
+# -- the sums path: live tensors checked and patched where they live -------------------
+
+
+def device_bits(tensor):
+    """The tensor's elements as flat unsigned bit patterns over its own memory: a NumPy view of
+    a CPU tensor, a Numba device array over a CUDA tensor's (zero-copy both)."""
+    if tensor.device.type == "cpu":
+        return host_bytes(tensor).view(dtype_of(tensor).bits_dtype)
+    from .kernels import cuda
+
+    return cuda.device_bits(_bits_view(tensor))
+
+
+def _kernels_for(view):
+    """The kernels that run where `view` lives."""
+    from .kernels import get_backend
+
+    return get_backend("cpu" if isinstance(view, np.ndarray) else "cuda")
+
+
+def _to_host(view) -> np.ndarray:
+    return view if isinstance(view, np.ndarray) else view.copy_to_host()
+
+
+@dataclass
+class _Undo:
+    """Written elements of one tensor: `positions` None for the whole tensor. `old` is filled
+    once the write returns; an entry without it cannot be put back (and is named)."""
+
+    name: str
+    view: object
+    positions: object
+    old: object = None
+
+
+def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict) -> "_Step":
+    """One patch into `views` (name -> flat bit patterns, host or device arrays), checked by
+    word sums (FORMAT.md §7.1). `known` holds sums verified by the previous patch of a chain
+    and is updated; every write is logged in `undo` before it happens."""
+    from .apply import read_layout, rebuild_tensor
+    from .codecs import get_codec
+    from .codecs.base import Scratch, SectionContext
+
+    records = header.tensors
+    sums = {r.name: known[r.name] if r.name in known else _kernels_for(views[r.name]).word_sum(views[r.name])
+            for r in records}
+    known.clear()
+    known.update(sums)
+    if all(sums[r.name] == int(r.target_sum, 16) for r in records):
+        return _Step("up-to-date", header.target_digest, set(), 0)
+    if header.base_digest != checkpoint_digest([]):  # an anchor's base is any tensors of the target's shapes
+        for r in records:
+            if r.base_sum is not None and sums[r.name] != int(r.base_sum, 16):
+                raise BaseMismatchError(header.base_digest, f"word sum {sums[r.name]:016x} for {r.name!r}",
+                                        f"the live tensor {r.name!r} is not the patch's base (base word sum "
+                                        f"{r.base_sum})")
+    if checkpoint_digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in records) \
+            != header.target_digest:
+        raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
+    read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
+    scratch = Scratch()
+    names, elements = set(), 0
+    for rec in records:  # sections in order: works on streams
+        payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+        if payload is None:
+            continue
+        view = views[rec.name]
+        kernels = _kernels_for(view)
+        ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
+        codec = get_codec(rec.section.codec)
+        located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch) if rec.op == "patch" else None
+        if located is not None:
+            positions, deltas = located
+            count = rec.changed
+            entry = _Undo(rec.name, view, positions)
+            undo.append(entry)
+            entry.old, bad = kernels.add_at(view, positions, deltas)
+            if bad:  # cannot happen once every entry was found; the kernel checks all the same
+                raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
+        else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
+            base = _to_host(view).copy() if rec.op == "patch" else None
+            new = rebuild_tensor(rec, payload, base, _kernels_for(np.empty(0)), reader.source, scratch)
+            if base is None:
+                entry = _Undo(rec.name, view, None)
+                undo.append(entry)
+                entry.old = _to_host(view).copy()
+                count = int(np.count_nonzero(new != entry.old))
+                _overwrite(view, new)
+            else:
+                positions = np.flatnonzero(new != base)
+                count = int(positions.size)
+                entry = _Undo(rec.name, view, positions, base[positions])
+                undo.append(entry)
+                kernels.scatter(view, positions, new[positions])
+        if kernels.word_sum(view) != int(rec.target_sum, 16):
+            raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
+        known[rec.name] = int(rec.target_sum, 16)
+        if count:
+            names.add(rec.name)
+            elements += count
+    for f in header.files:  # a model folder's config and tokenizer: checked, not used here
+        if f.section is not None:
+            reader.read_next(f.section, f"file {f.name!r}")
+    reader.expect_end(header.sections_length)
+    return _Step("applied", header.target_digest, names, elements)
+
+
+def _overwrite(view, values: np.ndarray) -> None:
+    if isinstance(view, np.ndarray):
+        view[...] = values.view(view.dtype)
+    else:
+        view.copy_to_device(np.ascontiguousarray(values).view(view.dtype))
 
 
 def _check_structure(live: StateDict, records: dict) -> None:
@@ -251,26 +402,19 @@ def _bits_view(tensor):
     return tensor.detach().reshape(-1).view(width)
 
 
-def _put(tensor, positions: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """tensor[positions] = values (unsigned bit patterns, moved to the tensor's device); returns the old bits."""
-    import torch
-
-    flat = _bits_view(tensor)
-    index = torch.from_numpy(positions.astype(np.int64)).to(flat.device)
-    old = flat[index].cpu().numpy().view(values.dtype).copy()
-    same_kind = values.view(np.uint8 if flat.dtype == torch.uint8 else values.dtype.str.replace("u", "i"))
-    flat[index] = torch.from_numpy(same_kind).to(flat.device)
-    return old
-
-
-def _write(tensor, positions: np.ndarray, values: np.ndarray, undo: list) -> None:
-    undo.append((tensor, positions, _put(tensor, positions, values)))
-
-
-def _roll_back(tensors: MutableMapping, undo: list) -> None:
-    for tensor, positions, old in reversed(undo):
-        _put(tensor, positions, old)
+def _roll_back(undo: list) -> list:
+    """Put back every logged write, newest first; returns the names of tensors that could not be
+    (a write interrupted before its old values came back)."""
+    lost = []
+    for entry in reversed(undo):
+        if entry.old is None:
+            lost.append(entry.name)
+        elif entry.positions is None:
+            _overwrite(entry.view, _to_host(entry.old))
+        else:
+            _kernels_for(entry.view).scatter(entry.view, entry.positions, entry.old)
     undo.clear()
+    return lost
 
 
 

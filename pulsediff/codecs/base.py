@@ -74,6 +74,13 @@ class Codec(ABC):
                kernels: ModuleType, scratch: "Scratch") -> np.ndarray:
         """The target bits; may live in `scratch`, so use them before the next decode."""
 
+    def locate(self, base, payload: bytes, params: dict, ctx: SectionContext, kernels: ModuleType,
+               scratch: "Scratch"):
+        """The changes as (positions, zigzag deltas), positions in the memory `base` lives in (a
+        device array stays on the device): what patching a live tensor in place needs, without
+        rebuilding it. None when the codec cannot (the caller decodes on the host instead)."""
+        return None
+
     def value_deltas(self, payload: bytes, params: dict, ctx: SectionContext) -> np.ndarray | None:
         """Signed bit-pattern differences (new - base) of the changed elements, when the
         section holds them without needing the base; None otherwise."""

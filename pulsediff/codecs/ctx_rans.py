@@ -262,6 +262,18 @@ class CtxRans(Codec):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
 
+    def locate(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
+        """Positions (entry order, where `base` lives) and zigzag deltas of the changed elements:
+        the class counts and the rank walk run on `base`'s device, the entropy decode here."""
+        entries, (starts, sizes) = _decode_entries(payload, params, ctx, scratch,
+                                                   lambda shift, mask: kernels.chunk_class_starts(base, shift, mask))
+        entries.check_classes(sizes.copy_to_host() if hasattr(sizes, "copy_to_host") else sizes, ctx)
+        where, found = kernels.ranked_positions(base, entries.shift, entries.mask, starts, entries.offsets,
+                                                entries.ranks)
+        if found != entries.count:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
+        return where, entries.deltas
+
     def decode_windows(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch,
                        window: int):
         """The target bits as consecutive windows of `window` elements (the last may be shorter).

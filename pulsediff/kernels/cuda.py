@@ -229,6 +229,12 @@ def _arg(a):
     return _device_view(a) if is_device_array(a) else np.asarray(a)
 
 
+def device_bits(a):
+    """A device array or `__cuda_array_interface__` exporter (a torch CUDA tensor viewed as
+    integers) as a flat Numba device array of unsigned bit patterns over the same memory."""
+    return _bits(a)
+
+
 def _bits_dtype(dtype, signed64: bool = False) -> np.dtype:
     width = np.dtype(dtype).itemsize
     if width not in _UNSIGNED:

@@ -1,0 +1,257 @@
+"""The word-sum path of live apply (FORMAT.md §3.1, §7.1): base and target checked where the
+tensors live, ctx-rans changes located and written there, every write undone on failure.
+
+On CPU tensors it runs through the public API (`check="sums"`); on the device it runs on
+Numba device arrays under the CUDA simulator (conftest.py), with launches shrunk so that the
+small tensors span many blocks: no torch CUDA tensor can exist without a GPU, so the step
+from a torch tensor to its device array (`live.device_bits`) is the one part not run here.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import pulsediff
+from pulsediff import live
+from pulsediff.apply import open_patch
+from pulsediff.errors import BaseMismatchError, CorruptPatchError, UsageError
+
+from ckpt_factory import TORCH_DTYPES, mutate, random_tensor
+from cuda_sim import SMALL_LAUNCH, fast_simulator, launch_config
+from fuzz_cases import assemble, split_patch
+from reference import word_sum_ref
+
+GOLDEN_1_1 = "tests/golden/v1.1"
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+def _clone(d: dict) -> dict:
+    return {k: v.clone() for k, v in d.items()}
+
+
+def _pair(seed: int, dtypes=tuple(TORCH_DTYPES), density=0.05):
+    rng = np.random.default_rng(seed)
+    old = {f"t.{name}.{i}": random_tensor(rng, name, shape)
+           for i, shape in enumerate([(0,), (1,), (7, 3), (40, 9)]) for name in dtypes}
+    new = {k: mutate(rng, v, density) for k, v in old.items()}
+    return old, new
+
+
+def test_word_sums_in_the_patch_are_those_of_the_tensors():
+    old, new = _pair(0)
+    header = pulsediff.read_patch_header(io.BytesIO(pulsediff.make_patch_bytes(old, new)))
+    for rec in header.tensors:
+        assert int(rec.target_sum, 16) == word_sum_ref(_bits(new[rec.name]))
+        if rec.base_sum is not None:
+            assert int(rec.base_sum, 16) == word_sum_ref(_bits(old[rec.name]))
+    assert {r.op for r in header.tensors} >= {"same", "patch"}
+
+
+@pytest.mark.parametrize("codec", ["ctx-rans", "gap-zstd"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sums_path_matches_the_digests_path_for_every_dtype(codec, seed):
+    old, new = _pair(seed)
+    patch = pulsediff.make_patch_bytes(old, new, codec=codec)
+    by_sums, by_digests = _clone(old), _clone(old)
+    pointers = {k: v.data_ptr() for k, v in by_sums.items()}
+    a = pulsediff.apply_to_state_dict(by_sums, patch, check="sums")
+    b = pulsediff.apply_to_state_dict(by_digests, patch, check="digests")
+    assert _same(by_sums, new) and _same(by_digests, new)
+    assert {k: v.data_ptr() for k, v in by_sums.items()} == pointers
+    assert (a.status, a.changed_tensors, a.changed_elements, a.target_digest) == \
+        (b.status, b.changed_tensors, b.changed_elements, b.target_digest)
+    assert pulsediff.apply_to_state_dict(by_sums, patch, check="sums").status == "up-to-date"
+
+
+def test_sums_path_anchor_chain_and_bf16():
+    s0, s1 = _pair(3, ("BF16", "F32", "I64"))
+    s2 = {k: mutate(np.random.default_rng(4), v, 0.05) for k, v in s1.items()}
+    live_tensors = {k: torch.zeros_like(v) for k, v in s0.items()}
+    chain = [pulsediff.make_patch_bytes(None, s0), pulsediff.make_patch_bytes(s0, s1), pulsediff.make_patch_bytes(s1, s2)]
+    assert pulsediff.apply_to_state_dict(live_tensors, chain, check="sums").status == "applied"
+    assert _same(live_tensors, s2)
+    masters = {k: v.float() for k, v in s1.items() if v.dtype == torch.bfloat16}
+    moved = {k: v * 1.01 for k, v in masters.items()}
+    worker = {k: v.bfloat16() for k, v in masters.items()}
+    pulsediff.apply_to_state_dict(worker, pulsediff.make_patch_bytes(masters, moved, precision="bf16"), check="sums")
+    assert _same(worker, {k: v.bfloat16() for k, v in moved.items()})
+
+
+def test_wrong_base_is_refused_before_any_write():
+    old, new = _pair(5, ("BF16", "F32"))
+    patch = pulsediff.make_patch_bytes(old, new)
+    for name in ("t.F32.3", "t.BF16.2"):
+        wrong = _clone(old)
+        wrong[name].view(-1).view(torch.int16 if "BF16" in name else torch.int32)[2] ^= 1
+        before = _clone(wrong)
+        with pytest.raises(BaseMismatchError, match=name.replace(".", r"\.")):
+            pulsediff.apply_to_state_dict(wrong, patch, check="sums")
+        assert _same(wrong, before)
+
+
+def _forged(patch: bytes, edit) -> bytes:
+    header = split_patch(patch)
+    edit(header)
+    return assemble(header)
+
+
+def test_a_target_sum_that_does_not_hold_undoes_every_write():
+    """Behind valid checksums: the last patched tensor's target sum is wrong. Earlier tensors
+    were already written when it fails; all are put back."""
+    old, new = _pair(6, ("BF16", "I32"))
+    patch = pulsediff.make_patch_bytes(old, new)
+    patched = [t for t in split_patch(patch)["tensors"] if t["op"] == "patch"]
+    assert len(patched) >= 2
+
+    def lie(header):
+        last = [t for t in header["tensors"] if t["op"] == "patch"][-1]
+        last["target_sum"] = f"{(int(last['target_sum'], 16) + 1) % 2**64:016x}"
+
+    live_tensors = _clone(old)
+    with pytest.raises(CorruptPatchError, match="word sum"):
+        pulsediff.apply_to_state_dict(live_tensors, _forged(patch, lie), check="sums")
+    assert _same(live_tensors, old)
+
+
+def test_a_damaged_section_part_way_through_undoes_every_write():
+    old, new = _pair(7, ("BF16",))
+    patch = pulsediff.make_patch_bytes(old, new)
+
+    def damage(header):
+        last = [t for t in header["tensors"] if t["op"] == "patch"][-1]
+        body = bytearray(last["section"]["__body__"])
+        body[len(body) // 2] ^= 0xFF
+        last["section"]["__body__"] = bytes(body)
+
+    live_tensors = _clone(old)
+    with pytest.raises(CorruptPatchError):
+        pulsediff.apply_to_state_dict(live_tensors, _forged(patch, damage), check="sums")
+    assert _same(live_tensors, old)
+
+
+def test_sums_on_some_tensors_only_or_malformed_are_refused():
+    old, new = _pair(8, ("BF16",))
+    patch = pulsediff.make_patch_bytes(old, new)
+
+    def drop_one(header):
+        del header["tensors"][0]["target_sum"]
+        header["tensors"][0].pop("base_sum", None)
+
+    def same_twice(header):
+        same = next(t for t in header["tensors"] if t["op"] == "same")
+        same["base_sum"] = f"{(int(same['base_sum'], 16) ^ 1):016x}"
+
+    def upper_case(header):
+        header["tensors"][0]["target_sum"] = header["tensors"][0]["target_sum"].upper() + ""
+
+    for edit, message in ((drop_one, "some tensors only"), (same_twice, "two word sums")):
+        with pytest.raises(CorruptPatchError, match=message):
+            pulsediff.read_patch_header(io.BytesIO(_forged(patch, edit)))
+    header = split_patch(patch)
+    if any(c.isalpha() for c in header["tensors"][0]["target_sum"]):
+        with pytest.raises(CorruptPatchError, match="malformed"):
+            pulsediff.read_patch_header(io.BytesIO(_forged(patch, upper_case)))
+
+
+def test_patches_without_sums_use_the_digests(tmp_path):
+    """A format 1.1 patch (golden file) applies with check='auto' and is refused with 'sums'."""
+    from safetensors.torch import load_file
+
+    base = load_file(f"{GOLDEN_1_1}/base32.safetensors")
+    target = load_file(f"{GOLDEN_1_1}/target32.as-bf16.safetensors")
+    patch = f"{GOLDEN_1_1}/bf16.ctx-rans.pulsediff"
+    live_tensors = {k: v.bfloat16() for k, v in base.items()}
+    with pytest.raises(UsageError, match="no word sums"):
+        pulsediff.apply_to_state_dict(live_tensors, patch, check="sums")
+    with pytest.raises(UsageError, match="unknown check"):
+        pulsediff.apply_to_state_dict(live_tensors, patch, check="fast")
+    assert pulsediff.apply_to_state_dict(live_tensors, patch).status == "applied"
+    assert _same(live_tensors, target)
+
+
+def test_non_contiguous_tensors_are_refused():
+    old, new = _pair(9, ("F32",))
+    live_tensors = _clone(old)
+    live_tensors["t.F32.3"] = old["t.F32.3"].t().contiguous().t()  # same shape, strided: writes through a copy would be lost
+    with pytest.raises(UsageError, match="not contiguous"):
+        pulsediff.apply_to_state_dict(live_tensors, pulsediff.make_patch_bytes(old, new), check="digests")
+
+
+# --- on the device (Numba CUDA simulator) -------------------------------------------------
+
+numba_cuda = pytest.importorskip("numba.cuda")
+
+
+@pytest.fixture()
+def small_launch():
+    from pulsediff.kernels import cuda
+
+    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+        yield
+
+
+def _apply_on_device(arrays: dict, patches: list[bytes]):
+    """apply_to_state_dict's sums path with Numba device arrays standing for CUDA tensors."""
+    views = {k: numba_cuda.to_device(_bits(v).view(live.dtype_of(v).bits_dtype)) for k, v in arrays.items()}
+    undo, known = [], {}
+    try:
+        steps = []
+        for patch in patches:
+            reader, header, _ = open_patch(io.BytesIO(patch))
+            steps.append(live.apply_by_sums(views, reader, header, undo, known))
+    except BaseException:
+        assert live._roll_back(undo) == []
+        raise
+    finally:
+        after = {k: torch.from_numpy(v.copy_to_host().view(np.uint8)).view(arrays[k].dtype).reshape(arrays[k].shape)
+                 for k, v in views.items()}
+    return steps, after
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_device_path_rebuilds_the_target_bit_for_bit(small_launch):
+    """BF16, F32 and I64 tensors of a few hundred elements (dozens of 16-element tiles over
+    4 blocks), a chain with an anchor, ctx-rans located and written on the device."""
+    rng = np.random.default_rng(10)
+    s0 = {"w": random_tensor(rng, "BF16", (300,)), "f": random_tensor(rng, "F32", (17, 9)),
+          "i": random_tensor(rng, "I64", (40,)), "e": random_tensor(rng, "BF16", (0,))}
+    s1 = {k: mutate(rng, v, 0.08) for k, v in s0.items()}
+    s2 = {k: mutate(rng, v, 0.08) for k, v in s1.items()}
+    patches = [pulsediff.make_patch_bytes(None, s0), pulsediff.make_patch_bytes(s0, s1), pulsediff.make_patch_bytes(s1, s2)]
+    assert any(t["op"] == "patch" and t["section"]["codec"] == "ctx-rans" for t in split_patch(patches[2])["tensors"])
+    steps, after = _apply_on_device({k: torch.zeros_like(v) for k, v in s0.items()}, patches)
+    assert [s.status for s in steps] == ["applied"] * 3
+    assert _same(after, s2)
+    host = _clone(s0)
+    expected = pulsediff.apply_to_state_dict(host, patches[1:], check="digests")
+    assert steps[1].elements + steps[2].elements == expected.changed_elements
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_device_path_refuses_a_wrong_base_and_undoes_a_bad_target(small_launch):
+    rng = np.random.default_rng(11)
+    s0 = {"a": random_tensor(rng, "BF16", (200,)), "b": random_tensor(rng, "BF16", (150,))}
+    s1 = {k: mutate(rng, v, 0.1) for k, v in s0.items()}
+    patch = pulsediff.make_patch_bytes(s0, s1)
+    wrong = _clone(s0)
+    wrong["b"].view(torch.int16)[7] ^= 1
+    with pytest.raises(BaseMismatchError):
+        _apply_on_device(wrong, [patch])
+
+    def lie(header):
+        header["tensors"][-1]["target_sum"] = f"{(int(header['tensors'][-1]['target_sum'], 16) ^ 4):016x}"
+
+    forged = _forged(patch, lie)
+    with pytest.raises(CorruptPatchError, match="word sum"):
+        _apply_on_device(s0, [forged])
