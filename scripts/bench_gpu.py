@@ -30,9 +30,12 @@ What is measured:
   entropy decode itself runs on the CPU and is not in this figure (the issue allows it
   to overlap with the device work; docs/BENCHMARKS.md has CPU decode figures). The
   result is checked bit for bit against the expected tensors.
-- with --live: `pulsediff.live.apply_to_state_dict(tensors, patch, device="cuda")` on
-  the same tensors with a real ctx-rans patch (made with make_patch_bytes from host
-  copies), end to end: the digest, decode and check run on host copies today.
+- the same patch applied as `pulsediff.live` does with check="sums" (the default for GPU
+  tensors): word sum of the base, class counts, ranked_positions, add_at with its undo
+  log, word sum of the target, per tensor.
+- with --live: `pulsediff.live.apply_to_state_dict(tensors, patch)` on the same tensors
+  with a real ctx-rans patch (made with make_patch_bytes from host copies), end to end:
+  header and entropy decode on the CPU, everything else on the device.
 
 --tiny: small sizes and blocks, for the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)
 as well as a GPU: it checks the script runs and the results are right; its timings mean
@@ -271,6 +274,14 @@ def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[li
     row("apply_ranked in place", lambda: K.apply_ranked(d_work, SHIFT, MASK, starts, d_offsets, d_ranks, d_zig,
                                                         d_work), n * w + m * 9, m * w, restore)
     ok &= np.array_equal(d_work.copy_to_host(), new)
+    # The live path (check="sums"): word sums before and after, positions, then the in-place add.
+    row("word_sum", lambda: K.word_sum(d_old), n * w, 0)
+    where, found = K.ranked_positions(d_old, SHIFT, MASK, starts, d_offsets, d_ranks)
+    ok &= found == m and np.array_equal(np.sort(where.copy_to_host()), positions)
+    row("ranked_positions", lambda: K.ranked_positions(d_old, SHIFT, MASK, starts, d_offsets, d_ranks),
+        n * w + m * 8, m * 8)
+    row("add_at (with the undo log)", lambda: K.add_at(d_work, where, d_zig), m * (8 + 1 + w), m * 2 * w, restore)
+    ok &= np.array_equal(d_work.copy_to_host(), new)
     return rows, bool(ok)
 
 
@@ -327,17 +338,35 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
             starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
             applied[0] += K.apply_ranked(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks, t.d_zigzag, t.dev)
 
+    def checked_patch():
+        # What pulsediff.live's check="sums" runs per tensor after the entropy decode: the base's
+        # word sum, the class counts, the positions, the add with its undo log, the target's sum.
+        applied[0] = 0
+        for t in tensors:
+            t.d_ranks.copy_to_device(t.h_ranks)
+            t.d_zigzag.copy_to_device(t.h_zigzag)
+            K.word_sum(t.dev)
+            starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
+            where, found = K.ranked_positions(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks)
+            K.add_at(t.dev, where, t.d_zigzag)
+            K.word_sum(t.dev)
+            applied[0] += found
+
     t_dense = timed(dense, repeats)
     t_patch = timed(patch, repeats, setup=dense)
     t_kernels = timed(lambda: patch(upload=False), repeats, setup=dense)  # the entries stay where patch put them
     ok = applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
+    t_checked = timed(checked_patch, repeats, setup=dense)
+    ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
     nbytes = 2 * total
     rows = [[arrays.dense_copy, f"{nbytes:,}", f"{t_dense * 1e3:.1f}", gbps(nbytes, t_dense),
              "1.00"],
             ["patch: H2D of the decoded entries + chunk_class_starts + apply_ranked in place",
              f"{changes * 9:,}", f"{t_patch * 1e3:.1f}", gbps(nbytes, t_patch), f"{t_dense / t_patch:.2f}"],
             ["same, kernels only (entries already on the device)", "0", f"{t_kernels * 1e3:.1f}",
-             gbps(nbytes, t_kernels), f"{t_dense / t_kernels:.2f}"]]
+             gbps(nbytes, t_kernels), f"{t_dense / t_kernels:.2f}"],
+            ["checked as live apply does: H2D + word_sum + chunk_class_starts + ranked_positions + add_at + word_sum",
+             f"{changes * 9:,}", f"{t_checked * 1e3:.1f}", gbps(nbytes, t_checked), f"{t_dense / t_checked:.2f}"]]
     info = {"tensors": len(shapes), "elements": total, "changes": changes}
     if live:
         rows.append(live_apply(tensors, arrays, repeats, info))
@@ -364,7 +393,7 @@ def live_apply(tensors, arrays, repeats: int, info: dict) -> list[str]:
     else:  # no torch CUDA here (the simulator): torch CPU tensors through the CUDA kernels
         live = {name: o.clone() for name, o in old.items()}
         restore = lambda: [live[n].copy_(old[n]) for n in live]  # noqa: E731
-    seconds = timed(lambda: apply_to_state_dict(live, patch, device="cuda"), repeats, setup=restore)
+    seconds = timed(lambda: apply_to_state_dict(live, patch), repeats, setup=restore)
     info["live_ok"] = all(np.array_equal(live[t.name].view(torch.int16).cpu().numpy().view(np.uint16).reshape(-1),
                                          t.expected) for t in tensors)
     nbytes = 2 * info["elements"]
