@@ -5,7 +5,8 @@ from a config. The trainer side takes RL-sized AdamW steps and saves each step
 as a Hugging Face folder (`save_pretrained`), and `pulsediff publish` turns
 the folders into patches and anchors. The worker holds a BF16 model that is
 never reloaded: after each publish it calls `catch_up_state_dict` on the
-model's state dict (whose tensors are the model's parameters), then checks
+model's state dict (whose tensors are the model's parameters), checked by the
+word sums a GPU worker would use (check="sums"), then checks
 its logits against a model loaded from the trainer's folder for that step,
 bit for bit.
 
@@ -72,6 +73,7 @@ def main(workdir: Path, steps: int) -> int:
     worker = load_bf16(train / "step_000000")
     prompt = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
 
+    known = None  # the digest the worker's tensors have, once a catch-up has said it
     for step in range(1, steps + 1):
         train_step(2e-6)
         target_folder = save_step(step)
@@ -81,7 +83,10 @@ def main(workdir: Path, steps: int) -> int:
         with torch.no_grad():
             expected = reference(prompt).logits
             stale = torch.equal(worker(prompt).logits, expected)  # before: the step must change the logits
-            result = catch_up_state_dict(worker.state_dict(), outbox)
+            # check="sums": base and target checked by word sums where the tensors are (what a GPU
+            # worker gets by default); `digest` spares hashing the tensors to find their step.
+            result = catch_up_state_dict(worker.state_dict(), outbox, check="sums", digest=known)
+            known = result.digest
             same = torch.equal(worker(prompt).logits, expected)
         n_params = sum(p.numel() for p in worker.parameters())
         print(f"step {result.step}: {result.links} patch(es), {result.changed_elements:,} of {n_params:,} "

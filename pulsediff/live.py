@@ -223,8 +223,9 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
                              "apply it with check='digests'")
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
         if check == "sums" or (check == "auto" and on_gpu and has_sums):
-            views = {name: device_bits(t) for name, t in tensors.items()}
-            return apply_by_sums(views, reader, header, undo, known)
+            aliases = _aliases(tensors)
+            views = {name: device_bits(t) for name, t in tensors.items() if name not in aliases}
+            return apply_by_sums(views, reader, header, undo, known, aliases)
         known.clear()
         ids = tensor_ids(TensorView(live, header.precision))
         digest = checkpoint_digest(ids.values())
@@ -302,15 +303,40 @@ class _Undo:
     old: object = None
 
 
-def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict) -> "_Step":
+def _aliases(tensors: Mapping) -> dict[str, str]:
+    """Names whose tensor is another name's very memory (tied weights: the same tensor under two
+    names), mapped to that name; tensors that overlap otherwise are refused."""
+    spans = sorted(((str(t.device), t.data_ptr(), t.numel() * t.element_size(), name)
+                    for name, t in tensors.items() if t.numel()), key=lambda x: x[:2])
+    aliases, previous = {}, None
+    for span in spans:
+        if previous and span[0] == previous[0] and span[1] < previous[1] + previous[2]:
+            if span[1:3] != previous[1:3] or tensors[span[3]].dtype != tensors[previous[3]].dtype:
+                raise UsageError(f"live tensors {previous[3]!r} and {span[3]!r} overlap in memory")
+            aliases[span[3]] = previous[3]
+            continue
+        previous = span
+    return aliases
+
+
+def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, aliases: Mapping = {}) -> "_Step":
     """One patch into `views` (name -> flat bit patterns, host or device arrays), checked by
     word sums (FORMAT.md §7.1). `known` holds sums verified by the previous patch of a chain
-    and is updated; every write is logged in `undo` before it happens."""
+    and is updated; every write is logged in `undo` before it happens. `aliases` maps a name
+    to the name whose memory it shares (it has no view of its own): it is written through
+    that one, and must end with the same target."""
     from .apply import read_layout, rebuild_tensor
     from .codecs import get_codec
     from .codecs.base import Scratch, SectionContext
 
+    views = dict(views)
+    views.update({alias: views[name] for alias, name in aliases.items()})
     records = header.tensors
+    by_name = {r.name: r for r in records}
+    for alias, name in aliases.items():
+        if by_name[alias].target_sum != by_name[name].target_sum or by_name[alias].target_hash != by_name[name].target_hash:
+            raise UsageError(f"live tensors {name!r} and {alias!r} share memory, but the patch gives them "
+                             "different values")
     sums = {r.name: known[r.name] if r.name in known else _kernels_for(views[r.name]).word_sum(views[r.name])
             for r in records}
     known.clear()
@@ -328,10 +354,10 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict) -> "_
         raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
     read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
     scratch = Scratch()
-    names, elements = set(), 0
+    names, elements, counts = set(), 0, {}
     for rec in records:  # sections in order: works on streams
         payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
-        if payload is None:
+        if payload is None or rec.name in aliases:  # an alias is written through its own name
             continue
         view = views[rec.name]
         kernels = _kernels_for(view)
@@ -364,6 +390,7 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict) -> "_
         if kernels.word_sum(view) != int(rec.target_sum, 16):
             raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
         known[rec.name] = int(rec.target_sum, 16)
+        counts[rec.name] = count
         if count:
             names.add(rec.name)
             elements += count
@@ -371,6 +398,11 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict) -> "_
         if f.section is not None:
             reader.read_next(f.section, f"file {f.name!r}")
     reader.expect_end(header.sections_length)
+    for alias, name in aliases.items():  # counted per name, as the digests path does
+        known[alias] = known[name]
+        if counts.get(name):
+            names.add(alias)
+            elements += counts[name]
     return _Step("applied", header.target_digest, names, elements)
 
 
@@ -424,11 +456,19 @@ class LiveCatchUp:
     step: int | None  # the step the manifest lists for the digest the tensors now have
     links: int  # patch files applied
     changed_elements: int
+    digest: str = ""  # the digest the tensors now have (pass it to the next catch-up)
 
 
-def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: str | None = None) -> LiveCatchUp:
+def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: str | None = None,
+                        check: str = "auto", digest: str | None = None) -> LiveCatchUp:
     """`pulsediff catch-up` for live tensors: follow a published series folder (pulsediff publish)
-    to its newest step in place, by the cheapest chain of intact patches from the tensors' digest."""
+    to its newest step in place, by the cheapest chain of intact patches from the tensors' digest.
+
+    `digest`: the digest the tensors are known to have (the `target_digest` of the last
+    apply), which spares hashing them on the host to find where they are in the series (on
+    a GPU, a copy of every tensor); the chain's first patch checks the base all the same
+    (by word sums under check="sums"), though a `digest` that names the newest step is
+    taken at its word. `check` is apply_to_state_dict's."""
     from .errors import InvalidManifestError, PulsediffError
     from .manifest import Manifest, cheapest_paths
     from .series import MAX_SEARCHES, _check_file
@@ -438,9 +478,10 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
     if manifest is None or manifest.newest is None:
         raise PulsediffError(f"{folder} holds no published series (no manifest.json with entries)")
     newest = manifest.newest
-    digest = state_dict_digest(tensors, manifest.precision)
+    if digest is None:
+        digest = state_dict_digest(tensors, manifest.precision)
     if digest == newest.target:
-        return LiveCatchUp("up-to-date", manifest.step_of(digest), 0, 0)
+        return LiveCatchUp("up-to-date", manifest.step_of(digest), 0, 0, digest)
     drop: set[str] = set()
     for _ in range(MAX_SEARCHES):
         chain = cheapest_paths(manifest.entries, digest, drop)
@@ -455,5 +496,6 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
         drop.add(bad.file)
     else:
         raise InvalidManifestError(str(folder), f"no intact chain after {MAX_SEARCHES} searches")
-    result = apply_to_state_dict(tensors, [folder / e.file for e in links], device=device)
-    return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links), result.changed_elements)
+    result = apply_to_state_dict(tensors, [folder / e.file for e in links], device=device, check=check)
+    return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links), result.changed_elements,
+                       result.target_digest)

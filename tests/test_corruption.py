@@ -207,7 +207,7 @@ def test_fuzzed_sections_with_valid_checksums(small_pair, tmp_path):
 def test_magic_and_version_are_pinned():
     assert MAGIC == b"PULSEDIF"
     assert FORMAT_MAJOR == 1
-    assert FORMAT_MINOR == 1  # 1.1: layout digest, folder files (docs/FORMAT.md §11)
+    assert FORMAT_MINOR == 2  # 1.1: layout digest, folder files; 1.2: word sums (docs/FORMAT.md §11)
     assert PREAMBLE.size == 32
 
 

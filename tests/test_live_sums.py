@@ -255,3 +255,24 @@ def test_device_path_refuses_a_wrong_base_and_undoes_a_bad_target(small_launch):
     forged = _forged(patch, lie)
     with pytest.raises(CorruptPatchError, match="word sum"):
         _apply_on_device(s0, [forged])
+
+
+def test_tied_weights_are_patched_once_through_either_path():
+    """Two names for one tensor (tied embeddings): written once, both checked; overlapping
+    tensors that are not the same are refused."""
+    rng = np.random.default_rng(12)
+    w0, b0 = random_tensor(rng, "BF16", (40, 9)), random_tensor(rng, "F32", (9,))
+    w1, b1 = mutate(rng, w0, 0.1), mutate(rng, b0, 0.1)
+    patch = pulsediff.make_patch_bytes({"embed": w0, "lm_head": w0, "b": b0}, {"embed": w1, "lm_head": w1, "b": b1})
+    results = []
+    for check in ("sums", "digests"):
+        tied = w0.clone()
+        live_tensors = {"embed": tied, "lm_head": tied, "b": b0.clone()}
+        results.append(pulsediff.apply_to_state_dict(live_tensors, patch, check=check))
+        assert torch.equal(tied.view(torch.int16), w1.view(torch.int16)) and torch.equal(live_tensors["b"], b1)
+    assert results[0] == results[1] and results[0].changed_tensors >= 2
+    flat = w0.clone().reshape(-1)
+    overlapping = {"embed": flat[:360].view(40, 9), "lm_head": flat[:360].view(40, 9)[1:].clone(), "b": b0.clone()}
+    overlapping["lm_head"] = flat[9:].view(39, 9)
+    with pytest.raises(UsageError, match="overlap"):
+        live._aliases(overlapping)
