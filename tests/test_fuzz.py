@@ -108,6 +108,7 @@ def test_whole_tensor_op_with_a_codec_that_needs_a_base_is_refused(pair, tmp_pat
     entry = next(t for t in h["tensors"] if t["op"] == "patch")
     entry["op"] = "full"
     entry.pop("base_hash")
+    entry.pop("base_sum")  # a consistent forgery: reaches the codec check
     refused_with_nothing_written(old, fc.assemble(h), tmp_path, "cannot carry a whole tensor")
 
 
@@ -363,7 +364,7 @@ def test_a_tensor_kept_from_a_base_that_lacks_it_is_refused(tmp_path):
     make_patch(None, new, tmp_path / "anchor", device="cpu")
     h, _ = patch_parts(tmp_path / "anchor")
     entry = h["tensors"][0]
-    entry.update(op="same", changed=0, base_hash=entry["target_hash"])
+    entry.update(op="same", changed=0, base_hash=entry["target_hash"], base_sum=entry["target_sum"])
     entry.pop("section")
     out = tmp_path / "out.safetensors"
     with pytest.raises(CorruptPatchError, match="the base lacks"):
