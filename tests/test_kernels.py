@@ -439,7 +439,8 @@ def test_every_backend_provides_the_whole_contract(backend):
     from pulsediff.kernels import KERNELS
 
     assert set(KERNELS) >= {"diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks",
-                            "apply_ranked", "class_major_order"}
+                            "apply_ranked", "class_major_order", "word_sum", "ranked_positions", "add_at", "resident",
+                            "ranked_window"}
     assert all(callable(getattr(backend, name, None)) for name in KERNELS)
 
 

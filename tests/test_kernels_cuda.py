@@ -269,6 +269,31 @@ def test_apply_ranked_window_by_window(cuda_k, cpu_k):
         np.testing.assert_array_equal(np.concatenate(parts), want)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_ranked_window(cuda_k, cpu_k, case):
+    """What apply does on files: a tensor window by window, entries made resident once; each
+    backend's windows add up to the reference, and `seen` ends at the class sizes. Windows of
+    uneven sizes, twice on the CUDA side (its pinned and device buffers are reused)."""
+    _, make, shift, mask = case
+    rng = np.random.default_rng(25)
+    base = make(rng, 290)
+    positions = pick_positions(rng, base.size, 0.1)
+    ranks, sizes = class_ranks_ref(base, shift, mask, positions)
+    offsets, ranks_cm, deltas = listed_entries(base, shift, mask, positions, ranks, rng, wide=base.itemsize == 8)
+    want, want_applied = apply_ranked_ref(base, shift, mask, offsets, ranks_cm, deltas)
+    for k in (cuda_k, cuda_k, cpu_k):
+        resident = k.resident(offsets, ranks_cm, deltas)
+        seen, applied, parts = np.zeros(mask + 1, np.int64), 0, []
+        for lo, hi in [(0, 100), (100, 117), (117, 290)]:
+            out = np.full(hi - lo, 0x5A, base.dtype)
+            applied += k.ranked_window(base[lo:hi], shift, mask, seen, *resident, out)
+            parts.append(out)
+        assert applied == want_applied
+        np.testing.assert_array_equal(np.concatenate(parts), want)
+        np.testing.assert_array_equal(seen, sizes)
+
+
 def test_apply_ranked_hostile_ranks_are_not_written(cuda_k, cpu_k):
     """Ranks past their class (== its size, beyond, 2**62), negative ones, and entries of a
     class the base does not have: never written, and the count falls short by exactly

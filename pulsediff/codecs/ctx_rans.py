@@ -286,15 +286,12 @@ class CtxRans(Codec):
         """
         entries, _ = _decode_entries(payload, params, ctx, scratch)
         seen = np.zeros(entries.mask + 1, np.int64)  # class sizes of the windows so far
+        offsets, ranks, deltas = kernels.resident(entries.offsets, entries.ranks, entries.deltas)  # once per tensor
         applied = 0
         for lo in range(0, base.size, window):
             part = base[lo:lo + window]
-            starts, sizes = kernels.chunk_class_starts(part, entries.shift, entries.mask)
-            starts += seen
             out = scratch.alternate(part.size, base.dtype, "window")
-            applied += kernels.apply_ranked(part, entries.shift, entries.mask, starts, entries.offsets, entries.ranks,
-                                            entries.deltas, out)
-            seen += sizes
+            applied += kernels.ranked_window(part, entries.shift, entries.mask, seen, offsets, ranks, deltas, out)
             if lo + window >= base.size:
                 entries.check_classes(seen, ctx)
                 if applied != entries.count:

@@ -62,6 +62,14 @@ class Backend(Protocol):
     def class_major_order(self, classes: "np.ndarray", ncls: int) -> "np.ndarray":
         """The stable permutation grouping indices by class."""
 
+    def resident(self, *arrays: "np.ndarray") -> tuple:
+        """The arrays where the kernels use them without a copy (uploaded once to a device)."""
+
+    def ranked_window(self, part: "np.ndarray", shift: int, mask: int, seen: "np.ndarray",
+                      class_offsets: "np.ndarray", ranks: "np.ndarray", deltas: "np.ndarray",
+                      out: "np.ndarray") -> int:
+        """apply_ranked on one window of a host tensor; `seen` holds (and gets) the class counts before it."""
+
     # Patching live tensors in place (pulsediff.live): each reads or writes the tensor where it lives.
     def word_sum(self, data: "np.ndarray") -> int:
         """FORMAT.md §3.1's sum64 of the array's bytes: the base and target check of a live apply."""

@@ -497,6 +497,21 @@ def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -
     return int(sum(parallel_map(_apply_ranked_streams, tasks)))
 
 
+def resident(*arrays):
+    """The arrays where this backend's kernels use them without a copy: here, as they are."""
+    return arrays
+
+
+def ranked_window(part, shift, mask, seen, class_offsets, ranks, deltas, out) -> int:
+    """apply_ranked on one window of a tensor: `seen` (int64, updated in place) holds the class
+    counts of the windows before it. Returns the entries applied in this window."""
+    starts, sizes = chunk_class_starts(part, shift, mask)
+    starts += seen
+    applied = apply_ranked(part, shift, mask, starts, class_offsets, ranks, deltas, out)
+    seen += sizes
+    return applied
+
+
 @njit(cache=True, nogil=True)
 def class_major_order(classes, ncls):
     """A stable counting sort's permutation: indices grouped by class, ascending within."""

@@ -141,6 +141,8 @@ Importing this module needs no GPU; kernels compile on first call.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import cuda, int32, int64, uint64
 
@@ -632,8 +634,9 @@ def _range_histograms(base, shift, mask, step, hist):
 
 
 @cuda.jit(cache=True)
-def _scan_columns(table, totals):
-    # In place: each column becomes its exclusive prefix sum; totals[column] its sum.
+def _scan_columns(table, totals, offsets):
+    # In place: each column becomes its exclusive prefix sum plus offsets[column] (the class
+    # counts of earlier windows, or zeros); totals[column] its sum.
     # A block takes _SCAN_WIDTH adjacent columns at a time, its threads laid out as
     # _SCAN_WIDTH columns x (blockDim / _SCAN_WIDTH) runs of rows: each thread sums its
     # run (each row read is 8 adjacent int64, 64 contiguous bytes), one thread per
@@ -658,12 +661,12 @@ def _scan_columns(table, totals):
         sh[tid] = t
         cuda.syncthreads()
         if s == 0 and col < cols:
-            run = int64(0)
+            run = offsets[col]
             for q in range(runs):
                 v = sh[q * width + c]
                 sh[q * width + c] = run
                 run += v
-            totals[col] = run
+            totals[col] = run - offsets[col]
         cuda.syncthreads()
         if col < cols:
             run = sh[tid]
@@ -881,12 +884,15 @@ def _class_grid(rows: int) -> int:
     return min(rows, max_blocks)
 
 
-def _starts_from_histograms(hist, ncls: int):
-    """In place: range histograms -> exclusive scan per class; returns the class sizes."""
+def _starts_from_histograms(hist, ncls: int, before=None):
+    """In place: range histograms -> exclusive scan per class (plus `before`, a device array of
+    class counts that precede the first range); returns the class sizes."""
     tpb, _, max_blocks = _launch_config()
     sizes = cuda.device_array(ncls, np.int64)
+    if before is None:
+        before = _zeros(ncls, np.int64)
     groups = -(-ncls // min(_SCAN_WIDTH, tpb))
-    _scan_columns[min(groups, max_blocks), tpb, 0, tpb * _SHARED_ITEM](hist, sizes)
+    _scan_columns[min(groups, max_blocks), tpb, 0, tpb * _SHARED_ITEM](hist, sizes, before)
     return sizes
 
 
@@ -1096,6 +1102,81 @@ def diff_ranks(old, new, shift: int, mask: int):
     return zigzag.copy_to_host(), classes.copy_to_host(), ranks.copy_to_host(), sizes.copy_to_host()
 
 
+# --- files on the device: one window of a tensor at a time ---------------------------------
+
+
+class _Buffers(threading.local):
+    """Per thread: pinned host staging and device window buffers, grown as needed and kept
+    (page-locked allocations cost milliseconds: one per window would eat the gain)."""
+
+    def __init__(self):
+        self.pinned: dict = {}
+        self.device: dict = {}
+
+    def get(self, kind: str, role: str, n: int, dtype):
+        cache = self.pinned if kind == "pinned" else self.device
+        key = (role, np.dtype(dtype).str)
+        buf = cache.get(key)
+        if buf is None or buf.size < n:
+            size = max(n, 1)
+            buf = cuda.pinned_array(size, dtype) if kind == "pinned" else cuda.device_array(size, dtype)
+            cache[key] = buf
+        return buf[:n]
+
+
+_buffers = _Buffers()
+
+
+def resident(*arrays):
+    """The arrays on the device (host ones uploaded once), for kernels called on them again and
+    again: a tensor's decoded entries, used by every window of it."""
+    out = []
+    for a in arrays:
+        if is_device_array(a):
+            out.append(_device_view(a))
+        else:
+            h = np.ascontiguousarray(a).reshape(-1)
+            out.append(cuda.to_device(h.view(np.int64) if h.dtype == np.uint64 else h))
+    return tuple(out)
+
+
+def ranked_window(part, shift: int, mask: int, seen, class_offsets, ranks, deltas, out) -> int:
+    """apply_ranked on one window of a tensor read from a file: `part` (host) holds the window's
+    base elements, `seen` (host int64, updated in place) the class counts of the windows before
+    it; the rebuilt window goes to `out` (host). Returns the entries applied in this window.
+
+    The window crosses the bus once each way, through pinned buffers; its class counts, the
+    scan that offsets them by `seen`, and the ranked walk (in place on the device copy) run on
+    the device; entries made `resident` stay there for every window of the tensor.
+    """
+    _check_class_field(shift, mask)
+    h_part = _host_bits(part, signed64=True)
+    n = h_part.size
+    ncls = mask + 1
+    if n == 0:
+        return 0
+    pinned = _buffers.get("pinned", "window", n, h_part.dtype)
+    pinned[:] = h_part
+    d = _buffers.get("device", "window", n, h_part.dtype)
+    d.copy_to_device(pinned)
+    tpb, _, _ = _launch_config()
+    rows, step = _class_ranges(n, ncls)
+    hist = cuda.device_array((rows, ncls), np.int64)
+    _range_histograms[_class_grid(rows), tpb, 0, ncls * 4](d, shift, mask, step, hist)
+    sizes = _starts_from_histograms(hist, ncls, cuda.to_device(np.ascontiguousarray(seen, np.int64)))
+    d_starts, step, d_offsets, d_ranks = _walk_tables(n, mask, hist, class_offsets, ranks)
+    d_deltas = _device_view(deltas) if is_device_array(deltas) else cuda.to_device(np.ascontiguousarray(deltas))
+    if d_deltas.dtype.itemsize == 8 and d_deltas.dtype != np.int64:
+        d_deltas = d_deltas.view(np.int64)
+    width = h_part.dtype.itemsize
+    wmask = -1 if width == 8 else (1 << (8 * width)) - 1
+    applied = _walk(d, shift, mask, wmask, step, d_starts, d_offsets, d_ranks, d_deltas, d, False, None)
+    d.copy_to_host(pinned)
+    _host_bits(out, signed64=True)[:] = pinned
+    seen += sizes.copy_to_host()
+    return applied
+
+
 # --- word sums and in-place updates: patching live tensors -----------------------------
 
 # FORMAT.md §3.1's sum64; the constants are kernels.cpu's.
@@ -1206,4 +1287,5 @@ def add_at(out, positions, deltas):
 from .cpu import class_major_order  # noqa: E402
 
 __all__ = ["diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks", "apply_ranked",
-           "diff_ranks", "class_major_order", "word_sum", "ranked_positions", "add_at", "is_device_array"]
+           "diff_ranks", "class_major_order", "word_sum", "ranked_positions", "add_at", "resident", "ranked_window",
+           "is_device_array"]
