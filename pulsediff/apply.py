@@ -171,18 +171,6 @@ def apply_chain(
     if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
         raise UsageError("a chain of several patches must be files (stdin carries one patch)")
     out_path = Path(base) if in_place else Path(out)
-    if (base_ids is None and not dry_run and base is not None and len(patches) == 1
-            and isinstance(patches[0], (str, Path)) and str(patches[0]) != "-"
-            and (in_place or not out_path.exists())):
-        # The common case, one patch file onto its base: the base is hashed as the rebuild reads
-        # it and its digest checked before the output is committed, so a base larger than the
-        # page cache is read from disk once, not twice.
-        with open_chain(patches) as links, open_checkpoint(base) as base_ckpt:
-            view = TensorView(base_ckpt, links[0].header.precision)
-            outcome = _apply_reading_base_once(links, view, base_ckpt, out_path, in_place, device, progress)
-        if isinstance(outcome, ApplyResult):
-            return outcome
-        base_ids = outcome  # the base is another checkpoint: the checks below say which, as ever
     with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]
         final = final_link.header
@@ -204,104 +192,26 @@ def apply_chain(
                 links = links[later[-1]:]
                 if _already_target(out_path, final):
                     return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
-            return _write_phase(links, first_link, final_link, view, base_ckpt, out_path, in_place, device, progress,
-                                base_is_target, dry_run, len(patches) == 1)
-
-
-def _apply_reading_base_once(links: list[_Link], view: TensorView, base_ckpt: Checkpoint, out_path: Path,
-                             in_place: bool, device, progress: Progress):
-    """One patch applied on the assumption that the base is its base, which is checked before
-    commit from hashes taken as the rebuild reads each tensor. Returns the ApplyResult, or,
-    when the base turns out to be another checkpoint (whatever failed on the way), its tensor
-    ids, for apply_chain's full checks to say what it is."""
-    hashes = _BaseHashes(view)
-    try:
-        return _write_phase(links, links[0], links[0], _HashingView(view, hashes), base_ckpt, out_path, in_place,
-                            device, progress, False, False, True, hashes)
-    except PulsediffError:
-        ids = hashes.ids()
-        if checkpoint_digest(ids.values()) == links[0].header.base_digest:
-            raise  # the base was the right one: the failure is the patch's or the output's
-        return ids
-    finally:
-        hashes.close()
-
-
-class _BaseHashes:
-    """XXH3 hashes of the base's tensors, taken on a thread of their own as the rebuild fetches
-    each tensor (its pages are then in memory for both), the rest at the end."""
-
-    def __init__(self, view: TensorView):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.view = view
-        self.futures: dict = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pulsediff-base-hash")
-
-    def fetched(self, name: str, bits: np.ndarray) -> None:
-        if name not in self.futures:
-            self.futures[name] = self._pool.submit(tensor_hash, bits)
-
-    def ids(self) -> dict[str, TensorId]:
-        for name in self.view.ckpt.names:
-            if name not in self.futures:
-                self.fetched(name, self.view.get(name).bits)
-        return {name: TensorId(name, self.view.dtype_of(name).name, self.view.shape_of(name), self.futures[name].result())
-                for name in self.view.ckpt.names}
-
-    def check(self, header: PatchHeader) -> None:
-        """Before commit: the base must be the patch's base."""
-        ids = self.ids()
-        digest = checkpoint_digest(ids.values())
-        if digest != header.base_digest:
-            raise _base_mismatch(header, ids, digest)
-
-    def close(self) -> None:
-        from concurrent.futures import wait
-
-        wait(list(self.futures.values()))  # none may still read a mapping the caller closes next
-        self._pool.shutdown()
-
-
-class _HashingView(TensorView):
-    """The base as the rebuild sees it, handing each tensor it fetches to `_BaseHashes`."""
-
-    def __init__(self, view: TensorView, hashes: _BaseHashes):
-        super().__init__(view.ckpt, view.precision)
-        self._hashes = hashes
-
-    def get(self, name: str):
-        tensor = super().get(name)
-        self._hashes.fetched(name, tensor.bits)
-        return tensor
-
-
-def _write_phase(links: list[_Link], first_link: _Link, final_link: _Link, view: TensorView, base_ckpt: Checkpoint,
-                 out_path: Path, in_place: bool, device, progress: Progress, base_is_target: bool, dry_run: bool,
-                 single: bool, hashes: "_BaseHashes | None" = None) -> ApplyResult:
-    """Everything after the base is known (or, with `hashes`, assumed) to be a link's base."""
-    final = final_link.header
-    receiver = _receiver_layout(base_ckpt, view, final)
-    sequential = single  # one patch, maybe on stdin: read it front to back
-    if receiver is not None and sequential and receiver.order != [r.name for r in final.tensors]:
-        if _seekable(first_link.reader.stream):
-            sequential = False  # the receiver's order: read the sections where they lie
-        else:
-            receiver = None  # stdin cannot be read out of order: the patch's layout
-    _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
-    files = FolderFileSources(links or [final_link], base_ckpt, final, in_place, sequential)
-    if dry_run:
-        return ApplyResult("applied", out_path, final, len(links), base_is_target, True, receiver is not None)
-    backend = get_backend(device)
-    if in_place:  # removed with the renames, under the same intent record
-        files.stale = _stale_paths(base_ckpt, receiver or _TargetFiles.of_patch(final, None, ""), files.removed)
-    check_base = (lambda: hashes.check(first_link.header)) if hashes is not None else (lambda: None)
-    if sequential:
-        _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links,
-                         before_commit=check_base)
-    else:
-        _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver, check_base)
-    return ApplyResult("applied", out_path, final, len(links), base_is_target, layout_from_base=receiver is not None)
+            receiver = _receiver_layout(base_ckpt, view, final)
+            sequential = len(patches) == 1  # one patch, maybe on stdin: read it front to back
+            if receiver is not None and sequential and receiver.order != [r.name for r in final.tensors]:
+                if _seekable(first_link.reader.stream):
+                    sequential = False  # the receiver's order: read the sections where they lie
+                else:
+                    receiver = None  # stdin cannot be read out of order: the patch's layout
+            _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
+            files = FolderFileSources(links or [final_link], base_ckpt, final, in_place, sequential)
+            if dry_run:
+                return ApplyResult("applied", out_path, final, len(links), base_is_target, True, receiver is not None)
+            backend = get_backend(device)
+            if in_place:  # removed with the renames, under the same intent record
+                files.stale = _stale_paths(base_ckpt, receiver or _TargetFiles.of_patch(final, None, ""), files.removed)
+            if sequential:
+                _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links)
+            else:
+                _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver)
+        return ApplyResult("applied", out_path, final, len(links), base_is_target,
+                           layout_from_base=receiver is not None)
 
 
 def _check_links(links: list[_Link]) -> None:
@@ -315,15 +225,12 @@ def _check_links(links: list[_Link]) -> None:
 
 
 def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress,
-                     files: "FolderFileSources", receiver: "_TargetFiles | None", copy_all: bool = False,
-                     before_commit=lambda: None) -> None:
+                     files: "FolderFileSources", receiver: "_TargetFiles | None", copy_all: bool = False) -> None:
     """One patch, read front to back (works on stdin): each section is decoded as it arrives.
 
     `copy_all`: the base already is the target, so every tensor comes from it
     (the sections are still read, to check the stream, but not decoded).
-    `before_commit`: a last check before the output is made visible.
     """
-    last_check = before_commit
     reader, header = link.reader, link.header
     layout_blob = read_layout(reader, header, sequential=True)
     scratch = Scratch()
@@ -344,15 +251,13 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
 
     def before_commit() -> None:
         reader.expect_end(header.sections_length)
-        last_check()
 
     target = receiver or _TargetFiles.of_patch(header, layout_blob, reader.source)
     _write_target(header, target, target_bits, files, out_path, progress, before_commit)
 
 
 def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
-                         progress: Progress, files: "FolderFileSources", receiver: "_TargetFiles | None",
-                         before_commit=lambda: None) -> None:
+                         progress: Progress, files: "FolderFileSources", receiver: "_TargetFiles | None") -> None:
     """A chain: each target tensor is carried through every link in turn, in memory.
 
     `links` may be empty (the base already is the target): then only the
@@ -368,7 +273,7 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
         return carry_through(rec.name, links, view, backend, scratch)
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
-    _write_target(final, target, target_bits, files, out_path, progress, before_commit)
+    _write_target(final, target, target_bits, files, out_path, progress, lambda: None)
 
 
 def carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
