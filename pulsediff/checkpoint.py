@@ -196,6 +196,11 @@ class Checkpoint:
         shard, entry = self._where[name]
         return shard.tensor_bytes(entry)
 
+    def prefetch(self, name: str) -> None:
+        """Read a tensor's pages into memory (blocking: call it from a thread that has time)."""
+        shard, entry = self._where[name]
+        populate_read(shard._map, shard.header.data_start + entry.begin, entry.nbytes)
+
     @property
     def metadata(self) -> dict[str, str] | None:
         return self.shards[0].header.metadata if self.kind == "file" else None
