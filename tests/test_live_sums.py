@@ -58,6 +58,19 @@ def test_word_sums_in_the_patch_are_those_of_the_tensors():
     assert {r.op for r in header.tensors} >= {"same", "patch"}
 
 
+def test_tensor_checks_block_by_block_equal_the_references():
+    """make's hash and word sum taken in cache-sized blocks: sizes around the block edge, tails."""
+    from pulsediff.digest import _CHECK_BLOCK, tensor_checks, tensor_hash
+
+    rng = np.random.default_rng(13)
+    for nbytes in (0, 5, 8, _CHECK_BLOCK - 3, _CHECK_BLOCK, _CHECK_BLOCK + 8, 2 * _CHECK_BLOCK + 7):
+        for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+            n = nbytes // np.dtype(dtype).itemsize
+            a = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+            digest, word_sum = tensor_checks(a)
+            assert digest == tensor_hash(a) and int(word_sum, 16) == word_sum_ref(a)
+
+
 @pytest.mark.parametrize("codec", ["ctx-rans", "gap-zstd"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_sums_path_matches_the_digests_path_for_every_dtype(codec, seed):

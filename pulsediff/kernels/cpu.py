@@ -571,6 +571,18 @@ def _word_sum_tail(data: np.ndarray, nwords: int) -> int:
     return x ^ (x >> 33)
 
 
+def word_sum_part(raw: np.ndarray, start: int, stop: int) -> int:
+    """The terms of bytes [start, stop) of `raw` (uint8, contiguous) in its word sum, one thread:
+    `start` a multiple of 8, `stop` too or the end. Parts add up (mod 2**64) to the sum, so a
+    caller can take it block by block while each block is in cache for another pass."""
+    nwords = raw.size // 8
+    words = raw[:8 * nwords].view(np.uint64)
+    total = int(_word_sum_range(words, start // 8, min(stop // 8, nwords)))
+    if stop >= raw.size and raw.size % 8:
+        total += _word_sum_tail(raw, nwords)
+    return total & 0xFFFFFFFFFFFFFFFF
+
+
 def word_sum(data: np.ndarray) -> int:
     """FORMAT.md §3.1's sum64 of the array's bytes (C order), as an int in [0, 2**64)."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
