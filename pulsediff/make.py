@@ -31,6 +31,7 @@ from .errors import UsageError
 from .folder_files import file_hash, folder_files, read_folder_file
 from .format import SectionRef, encode_header, encode_preamble, section_checksum
 from .kernels import get_backend
+from .kernels.threads import parallel_map
 from .patch import FILE_CODEC, LAYOUT_CODEC, FileRecord, Layout, LayoutFile, PatchHeader, TensorRecord
 from .progress import SILENT, Progress
 from .safetensors_io import build_header
@@ -166,58 +167,55 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 
     records: list[TensorRecord] = []
     base_ids: list[TensorId] = []
-    # Each tensor's whole work (hashes and word sums of both sides, compare, entropy coding)
-    # is a task of the encoder threads, several tensors side by side (their compares on the
-    # kernel threads), while this thread reads the next tensors; sections are written in
-    # order. (Hashing here first, on the kernel threads, queued each tensor's hashes behind
-    # the previous tensors' compares and kept this thread from reading ahead.)
+    # Tensors are encoded side by side (their compares on the kernel threads, each
+    # one's entropy coding on a thread of its own) while the next are read and
+    # hashed; sections are written in order.
     encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu") and not target.reuses_buffers)
     ahead = _ReadAhead(old.ckpt, target.prefetch, target.entries)
-
-    def work(tgt: TensorData, base: TensorData | None, comparable: bool):
-        tgt_hash, tgt_sum = tensor_checks(tgt.bits)
-        base_hash = base_sum = None
-        if base is not None:
-            base_hash, base_sum = tensor_checks(base.bits)
-        if base is not None and comparable and base_hash == tgt_hash:
-            # XXH3-128 equality stands for bit equality, as it does for the digests.
-            return "same", 0, None, tgt_hash, tgt_sum, base_hash, base_sum
-        enc = changed = None
-        if base is not None and comparable:
-            # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
-            max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
-            changed, enc = sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
-                                              max_changed=max_changed)
-        if enc is None:
-            return "full", changed or tgt.bits.size, full.encode(None, tgt.bits, None, None, dtype=tgt.dtype), \
-                tgt_hash, tgt_sum, base_hash, base_sum
-        return "patch", changed, enc, tgt_hash, tgt_sum, base_hash, base_sum
-
     try:
         for k, (name, stored_bytes) in enumerate(target.entries):
             ahead.reached(k)
             tgt = target.get(name)
             base = old.get(name) if name in old.ckpt else None
-            comparable = base is not None and base.dtype is tgt.dtype and base.shape == tgt.shape
             if base is not None:
+                (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(tensor_checks, [(tgt.bits,), (base.bits,)])
+                base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
                 progress.advance(old.ckpt.entry(name).nbytes)
+                if base.dtype is not tgt.dtype or base.shape != tgt.shape:
+                    base = None
+            else:
+                tgt_hash, tgt_sum = tensor_checks(tgt.bits)
+            if base is None:
+                records.extend(encoder.finish())  # its section comes first
+                enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+                records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
+                                            section=write_section(enc.parts, full.id, enc.params),
+                                            target_sum=tgt_sum))
+            elif base_hash == tgt_hash:
+                # XXH3-128 equality stands for bit equality, as it does for the digests.
+                records.extend(encoder.finish())
+                records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash,
+                                            target_sum=tgt_sum, base_sum=tgt_sum))
+            else:
+                # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
+                max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
 
-            def record_of(result, tgt=tgt, base=base) -> TensorRecord:
-                op, changed, enc, tgt_hash, tgt_sum, base_hash, base_sum = result
-                if base is not None:
-                    base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
-                if op == "same":
-                    return TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash,
-                                        target_sum=tgt_sum, base_sum=tgt_sum)
-                codec = sparse if op == "patch" else full
-                return TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
-                                    base_hash if op == "patch" else None,
-                                    write_section(enc.parts, codec.id, enc.params),
-                                    tgt_sum, base_sum if op == "patch" else None)
+                def encode(base=base, tgt=tgt, max_changed=max_changed):
+                    return sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
+                                              max_changed=max_changed)
 
-            nbytes = tgt.bits.nbytes + (base.bits.nbytes if base is not None else 0)
-            records.extend(encoder.submit(lambda tgt=tgt, base=base, comparable=comparable: work(tgt, base, comparable),
-                                          record_of, nbytes))
+                def record_of(result, tgt=tgt, tgt_hash=tgt_hash, base_hash=base_hash, tgt_sum=tgt_sum,
+                              base_sum=base_sum) -> TensorRecord:
+                    changed, enc = result
+                    codec, op = (sparse, "patch") if enc is not None else (full, "full")
+                    if enc is None:
+                        enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+                    return TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
+                                        base_hash if op == "patch" else None,
+                                        write_section(enc.parts, codec.id, enc.params),
+                                        tgt_sum, base_sum if op == "patch" else None)
+
+                records.extend(encoder.submit(encode, record_of, tgt.bits.nbytes + base.bits.nbytes))
             progress.advance(stored_bytes)
         records.extend(encoder.finish())
     finally:
