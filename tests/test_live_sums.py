@@ -289,3 +289,38 @@ def test_tied_weights_are_patched_once_through_either_path():
     overlapping["lm_head"] = flat[9:].view(39, 9)
     with pytest.raises(UsageError, match="overlap"):
         live._aliases(overlapping)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_fuzzed_sections_behind_valid_checksums_on_the_sums_path():
+    """300 ctx-rans and gap-zstd sections mutated as deep as their codecs allow (tests/fuzz_cases),
+    checksums recomputed: the sums path either refuses with a PulsediffError and leaves every
+    tensor as it was, or accepts, and then the digests path accepts too with the same tensors."""
+    import random
+
+    from pulsediff.errors import PulsediffError
+
+    from fuzz_cases import mutate_section
+
+    old, new = _pair(14, ("BF16", "F32", "I16"), density=0.1)
+    patches = {codec: split_patch(pulsediff.make_patch_bytes(old, new, codec=codec)) for codec in ("ctx-rans", "gap-zstd")}
+    outcomes = {"refused": 0, "accepted": 0}
+    for seed in range(300):
+        rng = random.Random(seed)
+        header = split_patch(assemble(patches["ctx-rans" if seed % 3 else "gap-zstd"]))
+        entry = rng.choice([t for t in header["tensors"] if t["op"] == "patch"])
+        mutate_section(rng, None, entry)
+        data = assemble(header)
+        by_sums = _clone(old)
+        try:
+            pulsediff.apply_to_state_dict(by_sums, data, check="sums")
+        except PulsediffError:
+            outcomes["refused"] += 1
+            assert _same(by_sums, old), f"seed {seed}: a refused patch changed the tensors"
+            continue
+        outcomes["accepted"] += 1
+        by_digests = _clone(old)
+        pulsediff.apply_to_state_dict(by_digests, data, check="digests")
+        assert _same(by_sums, by_digests), f"seed {seed}"
+    print(outcomes)
+    assert outcomes["refused"] > 100, outcomes
