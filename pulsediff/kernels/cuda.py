@@ -1179,10 +1179,12 @@ def ranked_window(part, shift: int, mask: int, seen, class_offsets, ranks, delta
 
 # --- word sums and in-place updates: patching live tensors -----------------------------
 
-# FORMAT.md §3.1's sum64; the constants are kernels.cpu's.
-_PHI = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+# FORMAT.md §3.1's sum64, with kernels.cpu's constants (one definition of the format).
+from .cpu import WORD_SUM_M1, WORD_SUM_M2, WORD_SUM_PHI  # noqa: E402
+
+_PHI = np.uint64(WORD_SUM_PHI)
+_M1 = np.uint64(WORD_SUM_M1)
+_M2 = np.uint64(WORD_SUM_M2)
 _S33 = np.uint64(33)
 
 
