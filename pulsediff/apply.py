@@ -336,7 +336,16 @@ def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: s
             return BaseMismatchError(header.base_digest, digest, f"tensor {rec.name!r} is missing from the base")
         if have.hash != rec.base_hash:
             return BaseMismatchError(header.base_digest, digest, f"tensor {rec.name!r} differs from the patch's base")
-    return BaseMismatchError(header.base_digest, digest, "the base's set of tensors differs")
+    if len(base_ids) != header.base_tensors:
+        return BaseMismatchError(header.base_digest, digest, f"the base holds {len(base_ids)} tensor(s), the "
+                                                             f"patch's base {header.base_tensors}")
+    # Every tensor the patch builds on matches: the difference is in one it does not build on
+    # (carried whole, or removed), whose hash the patch does not record.
+    unchecked = sorted(set(base_ids) - {r.name for r in expected})
+    return BaseMismatchError(header.base_digest, digest,
+                             "the base differs in a tensor the patch carries whole or removes"
+                             + (f" (one of {', '.join(map(repr, unchecked[:3]))}{', ...' if len(unchecked) > 3 else ''})"
+                                if unchecked else ""))
 
 
 # -- rebuilding -----------------------------------------------------------------

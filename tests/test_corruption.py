@@ -291,3 +291,29 @@ def test_zstd_compress_is_safe_from_several_threads_at_once():
         frames = list(pool.map(zstd_compress, arrays * 4))
     for data, frame in zip(arrays * 4, frames):
         assert zstandard.ZstdDecompressor().decompress(frame) == data.tobytes()
+
+
+def test_a_base_that_differs_only_in_a_tensor_carried_whole_says_so(tmp_path):
+    """The patch records no base hash for a tensor it carries whole: the refusal names the
+    tensors it could be, instead of a vague "set of tensors differs"."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from pulsediff import apply_patch, make_patch
+    from pulsediff.errors import BaseMismatchError
+
+    from ckpt_factory import mutate, random_tensor, save
+
+    rng = np.random.default_rng(40)
+    old = {"w": random_tensor(rng, "BF16", (64, 8)), "f": random_tensor(rng, "F32", (50,))}
+    new = {"w": mutate(rng, old["w"], 0.05), "f": random_tensor(rng, "F32", (50,))}  # f: every element new
+    old_path, new_path = save(old, tmp_path / "old.safetensors"), save(new, tmp_path / "new.safetensors")
+    make_patch(old_path, new_path, tmp_path / "p", device="cpu")
+    other = load_file(str(old_path))
+    other["f"] = other["f"] + 1
+    with pytest.raises(BaseMismatchError, match="carries whole or removes \\(one of 'f'\\)"):
+        apply_patch(save(other, tmp_path / "other.safetensors"), tmp_path / "p", tmp_path / "out", device="cpu")
+    assert not (tmp_path / "out").exists()
+    fewer = {"w": old["w"]}
+    with pytest.raises(BaseMismatchError, match=r"the base holds 1 tensor\(s\), the patch's base 2"):
+        apply_patch(save(fewer, tmp_path / "fewer.safetensors"), tmp_path / "p", tmp_path / "out", device="cpu")
