@@ -288,8 +288,9 @@ def _kernels_for(view):
     return get_backend("cpu" if isinstance(view, np.ndarray) else "cuda")
 
 
-def _to_host(view) -> np.ndarray:
-    return view if isinstance(view, np.ndarray) else view.copy_to_host()
+def _host_copy(view) -> np.ndarray:
+    """A host array of the view's values that later writes to the view do not change."""
+    return view.copy() if isinstance(view, np.ndarray) else view.copy_to_host()
 
 
 @dataclass
@@ -373,12 +374,12 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
             if bad:  # cannot happen once every entry was found; the kernel checks all the same
                 raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
         else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
-            base = _to_host(view).copy() if rec.op == "patch" else None
+            base = _host_copy(view) if rec.op == "patch" else None
             new = rebuild_tensor(rec, payload, base, _kernels_for(np.empty(0)), reader.source, scratch)
             if base is None:
                 entry = _Undo(rec.name, view, None)
                 undo.append(entry)
-                entry.old = _to_host(view).copy()
+                entry.old = _host_copy(view)
                 count = int(np.count_nonzero(new != entry.old))
                 _overwrite(view, new)
             else:
@@ -442,7 +443,7 @@ def _roll_back(undo: list) -> list:
         if entry.old is None:
             lost.append(entry.name)
         elif entry.positions is None:
-            _overwrite(entry.view, _to_host(entry.old))
+            _overwrite(entry.view, entry.old)
         else:
             _kernels_for(entry.view).scatter(entry.view, entry.positions, entry.old)
     undo.clear()

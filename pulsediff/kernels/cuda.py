@@ -305,6 +305,20 @@ def _zeros(shape, dtype):
     return cuda.to_device(np.zeros(shape, dtype))
 
 
+def _zigzag_deltas(deltas):
+    """Zigzag-coded deltas on the device, as the kernels read them: unsigned integers, 8-byte
+    ones as int64 (the kernels un-zigzag in int64: same bits)."""
+    d = _device_view(deltas) if is_device_array(deltas) else cuda.to_device(np.ascontiguousarray(deltas).reshape(-1))
+    if d.dtype.kind not in "iu":
+        raise ValueError(f"deltas must be unsigned integers, not {d.dtype}")
+    return d.view(np.int64) if d.dtype.itemsize == 8 and d.dtype != np.int64 else d
+
+
+def _width_mask(width: int) -> int:
+    """The mask that wraps int64 arithmetic to `width`-byte elements (-1: all 64 bits)."""
+    return -1 if width == 8 else (1 << (8 * width)) - 1
+
+
 # --- block-wide primitives ---------------------------------------------------
 # Both must be called by every thread of the block (they contain barriers), and
 # both end with a barrier so the caller may reuse `sh` straight away.
@@ -905,18 +919,21 @@ def chunk_class_starts(base, shift: int, mask: int):
     """
     _check_class_field(shift, mask)
     on_device = is_device_array(base)
-    d_base = _bits(base, signed64=True)
-    n = d_base.size
-    ncls = mask + 1
-    tpb, _, _ = _launch_config()
-    rows, step = _class_ranges(n, ncls)
-    hist = cuda.device_array((rows, ncls), np.int64)
-    # Empty ranges (n == 0 included) write rows of zeros.
-    _range_histograms[_class_grid(rows), tpb, 0, ncls * 4](d_base, shift, mask, step, hist)
-    sizes = _starts_from_histograms(hist, ncls)
+    hist, sizes = _device_class_starts(_bits(base, signed64=True), shift, mask)
     if on_device:
         return hist, sizes
     return hist.copy_to_host(), sizes.copy_to_host()
+
+
+def _device_class_starts(d_base, shift: int, mask: int, before=None):
+    """chunk_class_starts on a device array; `before`: class counts preceding the array (device)."""
+    ncls = mask + 1
+    tpb, _, _ = _launch_config()
+    rows, step = _class_ranges(d_base.size, ncls)
+    hist = cuda.device_array((rows, ncls), np.int64)
+    # Empty ranges (n == 0 included) write rows of zeros.
+    _range_histograms[_class_grid(rows), tpb, 0, ncls * 4](d_base, shift, mask, step, hist)
+    return hist, _starts_from_histograms(hist, ncls, before)
 
 
 def class_ranks(base, shift: int, mask: int, positions):
@@ -1007,14 +1024,7 @@ def apply_ranked(base, shift: int, mask: int, starts, class_offsets, ranks, delt
     if np.dtype(out.dtype).itemsize != width:
         raise ValueError(f"out has {np.dtype(out.dtype).itemsize}-byte elements, base {width}-byte ones")
     d_starts, step, d_offsets, d_ranks = _walk_tables(n, mask, starts, class_offsets, ranks)
-    if is_device_array(deltas):
-        d_deltas = _device_view(deltas)
-        if d_deltas.dtype.kind not in "iu":
-            raise ValueError(f"deltas must be unsigned integers, not {d_deltas.dtype}")
-    else:
-        d_deltas = cuda.to_device(np.ascontiguousarray(deltas).reshape(-1))
-    if d_deltas.dtype.itemsize == 8 and d_deltas.dtype != np.int64:
-        d_deltas = d_deltas.view(np.int64)  # the kernel un-zigzags in int64: same bits
+    d_deltas = _zigzag_deltas(deltas)
     if d_deltas.size != d_ranks.size:
         raise ValueError(f"{d_deltas.size} deltas for {d_ranks.size} ranks")
 
@@ -1024,8 +1034,8 @@ def apply_ranked(base, shift: int, mask: int, starts, class_offsets, ranks, delt
         d_out = d_base
     else:
         d_out = _bits(out, signed64=True) if out_on_device else cuda.device_array(n, d_base.dtype)
-    wmask = -1 if width == 8 else (1 << (8 * width)) - 1
-    applied = _walk(d_base, shift, mask, wmask, step, d_starts, d_offsets, d_ranks, d_deltas, d_out, not in_place, None)
+    applied = _walk(d_base, shift, mask, _width_mask(width), step, d_starts, d_offsets, d_ranks, d_deltas, d_out,
+                    not in_place, None)
     if not out_on_device:
         if out.flags.c_contiguous:
             d_out.copy_to_host(_host_bits(out, signed64=True))
@@ -1090,7 +1100,7 @@ def diff_ranks(old, new, shift: int, mask: int):
     classes = cuda.device_array(m, np.uint16)
     if m:
         tpb, _, max_blocks = _launch_config()
-        wmask = -1 if width == 8 else (1 << (8 * width)) - 1
+        wmask = _width_mask(width)
         half = 0 if width == 8 else 1 << (8 * width - 1)
         if width == 8:
             values = values.view(np.int64)  # the kernel works in int64: same bits
@@ -1152,25 +1162,16 @@ def ranked_window(part, shift: int, mask: int, seen, class_offsets, ranks, delta
     _check_class_field(shift, mask)
     h_part = _host_bits(part, signed64=True)
     n = h_part.size
-    ncls = mask + 1
     if n == 0:
         return 0
     pinned = _buffers.get("pinned", "window", n, h_part.dtype)
     pinned[:] = h_part
     d = _buffers.get("device", "window", n, h_part.dtype)
     d.copy_to_device(pinned)
-    tpb, _, _ = _launch_config()
-    rows, step = _class_ranges(n, ncls)
-    hist = cuda.device_array((rows, ncls), np.int64)
-    _range_histograms[_class_grid(rows), tpb, 0, ncls * 4](d, shift, mask, step, hist)
-    sizes = _starts_from_histograms(hist, ncls, cuda.to_device(np.ascontiguousarray(seen, np.int64)))
+    hist, sizes = _device_class_starts(d, shift, mask, cuda.to_device(np.ascontiguousarray(seen, np.int64)))
     d_starts, step, d_offsets, d_ranks = _walk_tables(n, mask, hist, class_offsets, ranks)
-    d_deltas = _device_view(deltas) if is_device_array(deltas) else cuda.to_device(np.ascontiguousarray(deltas))
-    if d_deltas.dtype.itemsize == 8 and d_deltas.dtype != np.int64:
-        d_deltas = d_deltas.view(np.int64)
-    width = h_part.dtype.itemsize
-    wmask = -1 if width == 8 else (1 << (8 * width)) - 1
-    applied = _walk(d, shift, mask, wmask, step, d_starts, d_offsets, d_ranks, d_deltas, d, False, None)
+    applied = _walk(d, shift, mask, _width_mask(h_part.dtype.itemsize), step, d_starts, d_offsets, d_ranks,
+                    _zigzag_deltas(deltas), d, False, None)
     d.copy_to_host(pinned)
     _host_bits(out, signed64=True)[:] = pinned
     seen += sizes.copy_to_host()
@@ -1269,14 +1270,11 @@ def add_at(out, positions, deltas):
     old = cuda.to_device(np.zeros(m, d_out.dtype))
     bad = 0
     if m:
-        d_deltas = _device_view(deltas) if is_device_array(deltas) else cuda.to_device(np.ascontiguousarray(deltas))
-        if d_deltas.dtype.itemsize == 8 and d_deltas.dtype != np.int64:
-            d_deltas = d_deltas.view(np.int64)
         tpb, _, max_blocks = _launch_config()
         grid = min(-(-m // tpb), max_blocks)
         d_bad = cuda.device_array(grid, np.int64)
-        wmask = -1 if width == 8 else (1 << (8 * width)) - 1
-        _add_at[grid, tpb, 0, tpb * _SHARED_ITEM](d_out, _indices(positions), d_deltas, wmask, old, d_bad)
+        _add_at[grid, tpb, 0, tpb * _SHARED_ITEM](d_out, _indices(positions), _zigzag_deltas(deltas),
+                                                  _width_mask(width), old, d_bad)
         bad = int(d_bad.copy_to_host().sum())
     unsigned = old.view(_UNSIGNED[width]) if width == 8 else old
     if out_on_device:
