@@ -12,6 +12,8 @@ Ctrl-C into a silent exit 130 before this module could say a word.
 
 from __future__ import annotations
 
+import copy
+import gc
 import os
 import sys
 
@@ -61,7 +63,7 @@ def _root(
 
 
 # What the help shows after an option's name, by the Python type typer inferred.
-_METAVARS = {"int": "N", "float": "NUMBER", "str": "TEXT", "Path": "PATH"}
+_METAVARS = {"int": "N", "float": "NUMBER", "str": "TEXT", "text": "TEXT", "Path": "PATH", "path": "PATH"}
 
 
 def _tidy_help(command, parent=None) -> None:
@@ -82,17 +84,23 @@ def _tidy_help(command, parent=None) -> None:
         if isinstance(param, TyperArgument):
             if param.metavar is None:
                 param.metavar = param.name.upper()
-            param.display_type_rich = lambda ctx: None  # the rich help's type column
+            param.display_type_rich = lambda ctx: None  # the rich help's type column (typer 0.29)
             param.display_type = lambda ctx: ""  # the plain help's (TYPER_USE_RICH=0)
+            if getattr(param, "type", None) is not None:  # typer < 0.29 asks the type (maybe shared: STRING)
+                param.type = copy.copy(param.type)
+                param.type.get_metavar = lambda *args, **kwargs: ""
         elif isinstance(param, TyperOption) and param.metavar is None:
-            desc = getattr(param, "type_descriptor", None)
+            desc = getattr(param, "type_descriptor", None)  # typer 0.29; before, the click type says
+            click_type = getattr(param, "type", None)
+            choices = desc.choices if desc is not None and desc.is_choice else getattr(click_type, "choices", None)
             if param.is_flag or param.count:
                 param.metavar = ""
-            elif desc is not None and desc.is_choice and desc.choices:
-                param.metavar = "|".join(str(getattr(c, "value", c)) for c in desc.choices)
+            elif choices:
+                param.metavar = "|".join(str(getattr(c, "value", c)) for c in choices)
             else:
                 annotation = getattr(desc, "annotation", None)
-                param.metavar = _METAVARS.get(getattr(annotation, "__name__", ""), "VALUE")
+                name = getattr(annotation, "__name__", "") if desc is not None else getattr(click_type, "name", "")
+                param.metavar = _METAVARS.get(name, "VALUE")
 
 
 def _say(line: str) -> None:
@@ -198,7 +206,14 @@ def _report(exc: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(_run(argv))
+    code = _run(argv)
+    if argv is None:  # the process's own command line: it ends next
+        # Python's shutdown collects the cycles among the ~10^5 objects Numba
+        # made while loading kernels: 0.2 to 0.3 s per command (measured),
+        # paid again by every link of a chain and every catch-up. Everything
+        # the command wrote is closed by now, so let the exit skip that scan.
+        gc.freeze()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
