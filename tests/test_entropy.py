@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pulsediff.codecs import entropy
 from pulsediff.kernels import cpu
 
-from reference import diff_ranks_ref
+from reference import apply_ranked_ref, class_ranks_ref, diff_ranks_ref
 
 
 # -- references -------------------------------------------------------------------
@@ -39,11 +39,6 @@ def rans_encode_ref(symbols, freqs) -> bytes:
         x = (x // f << entropy.PROB_BITS) + x % f + c
     out += [(x >> 0) & 0xFF, (x >> 8) & 0xFF, (x >> 16) & 0xFF, (x >> 24) & 0xFF]
     return bytes(reversed(out))
-
-
-def class_ranks_ref(base, shift, mask, positions):
-    classes = (base.astype(np.int64) >> shift) & mask
-    return np.array([int((classes[:p] == classes[p]).sum()) for p in positions], np.int64)
 
 
 # -- tests ------------------------------------------------------------------------
@@ -128,7 +123,7 @@ def test_class_ranks_and_apply_ranked_match_reference(n, dtype, shift, bits):
     positions = np.flatnonzero(rng.random(n) < 0.05).astype(np.int64)
     if n <= 1000:  # the reference is quadratic
         ranks, sizes = cpu.class_ranks(base, shift, mask, positions)
-        assert (ranks == class_ranks_ref(base, shift, mask, positions)).all()
+        assert (ranks == class_ranks_ref(base, shift, mask, positions)[0]).all()
         assert (sizes == np.bincount((base.astype(np.int64) >> shift) & mask, minlength=mask + 1)).all()
     ranks, _ = cpu.class_ranks(base, shift, mask, positions)
     # rebuild: target = base + delta at positions, listed class-major as ctx-rans lists them
@@ -149,6 +144,45 @@ def test_class_ranks_and_apply_ranked_match_reference(n, dtype, shift, bits):
     in_place = base.copy()  # chains decode each link over the previous one's output
     cpu.apply_ranked(in_place, shift, mask, starts, offsets, ranks[order], zigzag[order], in_place)
     assert (in_place == expected).all()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_apply_ranked_group_walk_matches_reference(seed):
+    """The walk takes four elements per step and corrects for same-class neighbours: few
+    classes (so groups are mostly one class), every density, lengths off a multiple of four,
+    ranks past their class, into a buffer and in place: bit for bit the reference."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3000))
+    bits = int(rng.integers(0, 3))  # 1, 2 or 4 classes
+    mask = (1 << bits) - 1
+    base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    if seed % 3 == 0:
+        base[rng.random(n) < 0.7] = 5  # long runs of one class
+    density = float(rng.choice([0.0, 0.01, 0.3, 0.9, 1.0]))
+    positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    classes = (base[positions].astype(np.int64) >> 3) & mask
+    ranks, _ = class_ranks_ref(base, 3, mask, positions)
+    order = np.argsort(classes, kind="stable")
+    want_where = positions[order]
+    offsets = np.zeros(mask + 2, np.int64)
+    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
+    ranks = ranks[order]
+    if ranks.size and seed % 4 == 1:  # the last entry of the largest class names a rank past its class
+        k = int(np.argmax(np.diff(offsets)))
+        ranks[offsets[k + 1] - 1] = n + 5
+        want_where[offsets[k + 1] - 1] = -1
+    deltas = rng.integers(0, 8, positions.size).astype(np.uint16)
+    want, want_applied = apply_ranked_ref(base, 3, mask, offsets, ranks, deltas)
+    starts, _ = cpu.chunk_class_starts(base, 3, mask)
+    out = np.full_like(base, 0xA5A5)
+    assert cpu.apply_ranked(base, 3, mask, starts, offsets, ranks, deltas, out) == want_applied
+    np.testing.assert_array_equal(out, want)
+    in_place = base.copy()
+    assert cpu.apply_ranked(in_place, 3, mask, starts, offsets, ranks, deltas, in_place) == want_applied
+    np.testing.assert_array_equal(in_place, want)
+    where, found = cpu.ranked_positions(base, 3, mask, starts, offsets, ranks)
+    assert found == want_applied
+    np.testing.assert_array_equal(where, want_where)
 
 
 def test_rice_decode_to_ranks_checks_each_class_size():
