@@ -25,7 +25,7 @@ from . import strict_json
 from .atomic import finish_interrupted
 from .dtypes import BF16, DType
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
-from .memory import populate_read
+from .memory import populate_read, unmap_pages
 from .safetensors_io import MAX_HEADER_BYTES, HeaderError, ParsedHeader, TensorEntry, parse_header, read_header_length
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -200,6 +200,12 @@ class Checkpoint:
         """Read a tensor's pages into memory (blocking: call it from a thread that has time)."""
         shard, entry = self._where[name]
         populate_read(shard._map, shard.header.data_start + entry.begin, entry.nbytes)
+
+    def release(self, name: str) -> None:
+        """Done with a tensor's bytes for now: unmap its pages (they stay cached; see unmap_pages).
+        The map is read-only and shared, so nothing is lost: a later read maps them again."""
+        shard, entry = self._where[name]
+        unmap_pages(shard._map, shard.header.data_start + entry.begin, entry.nbytes)
 
     @property
     def metadata(self) -> dict[str, str] | None:

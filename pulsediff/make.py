@@ -58,6 +58,7 @@ class TargetSource:
     # tensors in reused scratch memory): then each tensor is encoded before the next is read.
     reuses_buffers: bool = False
     prefetch: Callable[[str], None] | None = None  # reads a tensor's bytes into memory ahead of `get`
+    release: Callable[[str], None] | None = None  # done with a tensor's bytes: unmap them
 
     @classmethod
     def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
@@ -67,7 +68,7 @@ class TargetSource:
         found = others.by_name()
         return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get,
                    [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
-                   others.skipped, prefetch=new.ckpt.prefetch)
+                   others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release)
 
 
 def make_patch(
@@ -167,6 +168,12 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 
     records: list[TensorRecord] = []
     base_ids: list[TensorId] = []
+
+    def release(name: str) -> None:  # the tensor's record is final: its pages may go
+        if target.release is not None:
+            target.release(name)
+        if name in old.ckpt:
+            old.ckpt.release(name)
     # Tensors are encoded side by side (their compares on the kernel threads, each
     # one's entropy coding on a thread of its own) while the next are read and
     # hashed; sections are written in order.
@@ -191,11 +198,13 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
                 records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
                                             section=write_section(enc.parts, full.id, enc.params),
                                             target_sum=tgt_sum))
+                release(name)
             elif base_hash == tgt_hash:
                 # XXH3-128 equality stands for bit equality, as it does for the digests.
                 records.extend(encoder.finish())
                 records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash,
                                             target_sum=tgt_sum, base_sum=tgt_sum))
+                release(name)
             else:
                 # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
                 max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
@@ -210,10 +219,12 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
                     codec, op = (sparse, "patch") if enc is not None else (full, "full")
                     if enc is None:
                         enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
-                    return TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
-                                        base_hash if op == "patch" else None,
-                                        write_section(enc.parts, codec.id, enc.params),
-                                        tgt_sum, base_sum if op == "patch" else None)
+                    record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
+                                          base_hash if op == "patch" else None,
+                                          write_section(enc.parts, codec.id, enc.params),
+                                          tgt_sum, base_sum if op == "patch" else None)
+                    release(tgt.name)
+                    return record
 
                 records.extend(encoder.submit(encode, record_of, tgt.bits.nbytes + base.bits.nbytes))
             progress.advance(stored_bytes)
@@ -226,6 +237,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     for name in removed:
         base = old.get(name)
         base_ids.append(TensorId(name, base.dtype.name, base.shape, tensor_hash(base.bits)))
+        old.ckpt.release(name)
         progress.advance(old.ckpt.entry(name).nbytes)
     progress.end()
 

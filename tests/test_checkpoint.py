@@ -34,6 +34,25 @@ def test_views_agree_with_safetensors(tmp_path):
             assert got.bits.tobytes() == expected
 
 
+def test_release_unmaps_pages_without_losing_bytes(tmp_path):
+    """make drops a tensor's pages from its mapping once done with it: the file is untouched and
+    a view taken before or after still reads the same bytes."""
+    rng = np.random.default_rng(22)
+    tensors = {f"w{i}": random_tensor(rng, "BF16", (700, 300)) for i in range(3)}  # ~420 KB each, many pages
+    path = save(tensors, tmp_path / "m.safetensors")
+    before = path.read_bytes()
+    with Checkpoint(path) as ckpt:
+        view = TensorView(ckpt, "exact")
+        held = {name: view.get(name).bits for name in ckpt.names}
+        want = {name: bits.tobytes() for name, bits in held.items()}
+        for name in ckpt.names:
+            ckpt.prefetch(name)
+            ckpt.release(name)
+            assert held[name].tobytes() == want[name]
+            assert view.get(name).bits.tobytes() == want[name]
+    assert path.read_bytes() == before
+
+
 def write_raw(path, header: dict | bytes, data: bytes = b"", length: int | None = None):
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
