@@ -172,3 +172,28 @@ def test_a_failure_between_windows_lets_the_write_in_flight_finish_before_the_fi
     assert not (tmp_path / "out.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors", "p", "t.safetensors"]
     assert not [t for t in threading.enumerate() if t.name.startswith("pulsediff-writer")]  # stopped
+
+
+def test_memory_hints_leave_maps_whole_and_closable(tmp_path):
+    """populate_read, unmap_pages and fresh_buffer go through libc's madvise (which lets go
+    of the GIL) on a view of the map: the bytes read back unchanged, no view outlives the
+    call (the map still closes), and ranges past the end or empty are harmless."""
+    import mmap
+
+    from pulsediff import memory
+
+    data = np.random.default_rng(3).integers(0, 256, 5 * mmap.PAGESIZE + 123, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        memory.populate_read(mapped, 7, len(data))  # unaligned start, length past the end
+        memory.unmap_pages(mapped, mmap.PAGESIZE + 1, 2 * mmap.PAGESIZE)
+        memory.populate_read(mapped, len(data), 0)
+        memory.unmap_pages(mapped, 0, 0)
+        assert mapped[:] == data
+        mapped.close()  # would raise BufferError if a hint had left a view behind
+    buf = memory.fresh_buffer(3 << 20)
+    assert buf.size == 3 << 20 and not buf.any()
+    buf[:] = 7
+    assert (buf == 7).all()
