@@ -62,7 +62,8 @@ def test_rice_matches_reference_and_round_trips(pairs):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_rice_decode_of_long_mixed_streams(seed):
-    """Many groups with k from 0 to 40 and runs of every length: every refill path of the window."""
+    """Many groups with k from 0 to 40 and runs of every length: every refill path of the window (decoder)
+    and both paths of the encoder."""
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 400, 40).astype(np.int64)
     ks = rng.integers(0, 41, counts.size).astype(np.int64)
@@ -72,6 +73,10 @@ def test_rice_decode_of_long_mixed_streams(seed):
         for n, k in zip(counts, ks)
     ]) if counts.sum() else np.zeros(0, np.uint64)
     stream = rice_encode_ref(values, np.repeat(ks, counts))
+    # the encoder too: codes past 32 bits (k up to 40, long runs) take its byte path, which must
+    # hand back to the word path at any bit offset
+    buf = np.zeros(len(stream) + 4, np.uint8)
+    assert buf[:entropy.rice_encode(values, ks, counts, buf)].tobytes() == stream
     out = np.empty(values.size, np.uint64)
     assert entropy.rice_decode(np.frombuffer(stream, np.uint8), ks, counts, out) == (entropy.OK, len(stream))
     assert (out == values).all()

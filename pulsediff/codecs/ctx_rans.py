@@ -120,101 +120,157 @@ class _Reader:
 
 
 @njit(cache=True, nogil=True)
-def _class_major(classes, ranks, zigzag, ncls):
-    """Regroup the changed elements class by class (a stable counting sort).
+def _class_major(classes, ranks, zigzag, ncls, escape):
+    """Regroup the changed elements class by class (a stable counting sort), in one pass.
 
     In: per changed element in position order, its class, its rank within the
     class (ascending within each class) and its zigzag delta. Out: elements
-    per class, the Rice values (rank gap - 1) and the zigzag deltas in
-    class-major order.
+    per class; the ranks in class-major order (uint64, which _rice_parameters
+    turns into the Rice values in place); the rANS symbols min(delta, escape)
+    in class-major order and their counts; the escaped deltas, class-major.
+
+    Classes are counted, and slots taken, four elements at a time: neighbours
+    mostly share a class, and one counter per class would serialise on its own
+    store-to-load latency (the same correction as apply_ranked's group walk).
     """
     m = classes.size
-    counts = np.zeros(ncls, np.int64)
-    for i in range(m):
-        counts[classes[i]] += 1
-    ptr = np.zeros(ncls, np.int64)
-    for c in range(1, ncls):
-        ptr[c] = ptr[c - 1] + counts[c - 1]
-    last = np.full(ncls, -1, np.int64)
-    gaps = np.empty(m, np.uint64)
-    deltas = np.empty(m, zigzag.dtype)
-    for i in range(m):
+    lanes = np.zeros(4 * ncls, np.int64)
+    i = 0
+    while i + 4 <= m:
+        lanes[classes[i]] += 1
+        lanes[ncls + classes[i + 1]] += 1
+        lanes[2 * ncls + classes[i + 2]] += 1
+        lanes[3 * ncls + classes[i + 3]] += 1
+        i += 4
+    while i < m:
+        lanes[classes[i]] += 1
+        i += 1
+    counts = np.empty(ncls, np.int64)
+    ptr = np.empty(ncls, np.int64)
+    run = 0
+    for c in range(ncls):
+        counts[c] = lanes[c] + lanes[ncls + c] + lanes[2 * ncls + c] + lanes[3 * ncls + c]
+        ptr[c] = run
+        run += counts[c]
+    ranks_cm = np.empty(m, np.uint64)
+    symbols = np.empty(m, np.uint8)
+    esc = np.uint64(escape)
+    esc_slot = np.empty(m, np.int64)  # where each escaped delta goes, in the order met
+    esc_from = np.empty(m, np.int64)
+    n_esc = 0
+    i = 0
+    while i + 4 <= m:
+        c0, c1, c2, c3 = classes[i], classes[i + 1], classes[i + 2], classes[i + 3]
+        p0 = ptr[c0]
+        p1 = ptr[c1] + (c1 == c0)
+        p2 = ptr[c2] + (c2 == c0) + (c2 == c1)
+        p3 = ptr[c3] + (c3 == c0) + (c3 == c1) + (c3 == c2)
+        ptr[c0] = p0 + 1  # same-class stores land in order: the last one holds the group's count
+        ptr[c1] = p1 + 1
+        ptr[c2] = p2 + 1
+        ptr[c3] = p3 + 1
+        ranks_cm[p0] = np.uint64(ranks[i])
+        ranks_cm[p1] = np.uint64(ranks[i + 1])
+        ranks_cm[p2] = np.uint64(ranks[i + 2])
+        ranks_cm[p3] = np.uint64(ranks[i + 3])
+        z0, z1, z2, z3 = np.uint64(zigzag[i]), np.uint64(zigzag[i + 1]), np.uint64(zigzag[i + 2]), np.uint64(zigzag[i + 3])
+        symbols[p0] = np.uint8(min(z0, esc))
+        symbols[p1] = np.uint8(min(z1, esc))
+        symbols[p2] = np.uint8(min(z2, esc))
+        symbols[p3] = np.uint8(min(z3, esc))
+        if (z0 >= esc) | (z1 >= esc) | (z2 >= esc) | (z3 >= esc):  # rare: far jumps
+            for j, p in ((0, p0), (1, p1), (2, p2), (3, p3)):
+                if np.uint64(zigzag[i + j]) >= esc:
+                    esc_slot[n_esc] = p
+                    esc_from[n_esc] = i + j
+                    n_esc += 1
+        i += 4
+    while i < m:
         c = classes[i]
         p = ptr[c]
-        r = ranks[i]
-        gaps[p] = np.uint64(r - last[c] - 1)
-        last[c] = r
-        deltas[p] = zigzag[i]
         ptr[c] = p + 1
-    return counts, gaps, deltas
+        ranks_cm[p] = np.uint64(ranks[i])
+        z = np.uint64(zigzag[i])
+        symbols[p] = np.uint8(min(z, esc))
+        if z >= esc:
+            esc_slot[n_esc] = p
+            esc_from[n_esc] = i
+            n_esc += 1
+        i += 1
+    escapes = np.empty(n_esc, zigzag.dtype)
+    order = np.argsort(esc_slot[:n_esc])
+    for j in range(n_esc):
+        escapes[j] = zigzag[esc_from[order[j]]]
+    sym = np.zeros(4 * 256, np.int64)  # the symbols' counts, in four lanes too: one ULP up or down is most
+    i = 0
+    while i + 4 <= m:
+        sym[symbols[i]] += 1
+        sym[256 + symbols[i + 1]] += 1
+        sym[512 + symbols[i + 2]] += 1
+        sym[768 + symbols[i + 3]] += 1
+        i += 4
+    while i < m:
+        sym[symbols[i]] += 1
+        i += 1
+    symbol_counts = sym[:256] + sym[256:512] + sym[512:768] + sym[768:]
+    return counts, ranks_cm, symbols, symbol_counts, escapes
 
 
 @njit(cache=True, nogil=True)
-def _rice_cost(values, lo, hi, k):
-    total = np.uint64(0)
-    kk = np.uint64(k)
-    for i in range(lo, hi):
-        total += values[i] >> kk
-    return total + np.uint64((hi - lo) * (k + 1))
+def _rice_parameters(values, counts):
+    """Per group of `values` (class-major ranks, turned here in place into the Rice values,
+    rank gap - 1): the Rice parameter with the fewest bits among log2 of the mean and its
+    neighbours (ties: the smaller k), then raised so that no unary run exceeds _MAX_Q_BITS
+    bits (the decoder refuses longer ones). Returns (ks, total bits).
 
-
-@njit(cache=True, nogil=True)
-def _rice_parameters(gaps, counts):
-    """Per group: the Rice parameter with the fewest bits, searched around log2 of the
-    mean (ties: the smaller k), then raised so that no unary run exceeds _MAX_Q_BITS
-    bits (the decoder refuses longer ones). Returns (ks, total bits)."""
+    Two passes over each group, both of which LLVM vectorises: gaps with their sum and
+    maximum, then the cost of the (up to) three candidate parameters side by side.
+    """
     ks = np.zeros(counts.size, np.int64)
     bits = np.uint64(0)
+    one = np.uint64(1)
     lo = 0
     for g in range(counts.size):
         hi = lo + counts[g]
         if hi > lo:
+            sub = values[lo:hi]
+            for i in range(sub.size - 1, 0, -1):  # backwards: each rank is read before it is replaced
+                sub[i] = sub[i] - sub[i - 1] - one
             total = np.uint64(0)
             largest = np.uint64(0)
-            for i in range(lo, hi):
-                total += gaps[i]
-                largest = max(largest, gaps[i])
-            guess = max(0, int(np.log2(np.float64(total) / (hi - lo) + 1.0)))
+            for i in range(sub.size):
+                total += sub[i]
+                largest = max(largest, sub[i])
+            n = np.uint64(sub.size)
+            guess = max(0, int(np.log2(np.float64(total) / sub.size + 1.0)))
+            first, last = max(0, guess - 1), min(62, guess + 1)
+            ka, kb, kc = np.uint64(min(first, 63)), np.uint64(min(first + 1, 63)), np.uint64(min(first + 2, 63))
+            sa = sb = sc = np.uint64(0)
+            for i in range(sub.size):
+                v = sub[i]
+                sa += v >> ka
+                sb += v >> kb
+                sc += v >> kc
             best_k = -1
             best = np.uint64(0)
-            for k in range(max(0, guess - 1), min(62, guess + 1) + 1):
-                cost = _rice_cost(gaps, lo, hi, k)
-                if best_k < 0 or cost < best:
+            for k, shifted in ((first, sa), (first + 1, sb), (first + 2, sc)):
+                cost = shifted + n * np.uint64(k + 1)
+                if k <= last and (best_k < 0 or cost < best):
                     best_k, best = k, cost
             length = 0
             while largest >> np.uint64(length):
                 length += 1
             if length - _MAX_Q_BITS > best_k:
                 best_k = length - _MAX_Q_BITS
-                best = _rice_cost(gaps, lo, hi, best_k)
+                kk = np.uint64(best_k)
+                shifted = np.uint64(0)
+                for i in range(sub.size):
+                    shifted += sub[i] >> kk
+                best = shifted + n * np.uint64(best_k + 1)
             ks[g] = best_k
             bits += best
         lo = hi
     return ks, bits
-
-
-@njit(cache=True, nogil=True)
-def _symbols(deltas, escape):
-    """rANS symbols min(delta, escape), their counts, and the escaped deltas in order."""
-    m = deltas.size
-    esc = np.uint64(escape)
-    symbols = np.empty(m, np.uint8)
-    counts = np.zeros(256, np.int64)
-    n_escapes = 0
-    for i in range(m):
-        z = np.uint64(deltas[i])
-        s = esc if z >= esc else z
-        symbols[i] = np.uint8(s)
-        counts[np.int64(s)] += 1
-        if z >= esc:
-            n_escapes += 1
-    escapes = np.empty(n_escapes, deltas.dtype)
-    j = 0
-    for i in range(m):
-        if symbols[i] == escape:
-            escapes[j] = deltas[i]
-            j += 1
-    return symbols, counts, escapes
 
 
 def _zigzag_deltas(base_at: np.ndarray, values: np.ndarray, width_bits: int) -> np.ndarray:
@@ -317,10 +373,10 @@ class CtxRans(Codec):
 def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, shift: int, bits: int) -> Encoded:
     """The section for changed elements given (in position order) by class, rank in class and zigzag delta."""
     count = classes.size
-    counts, gaps, deltas = _class_major(classes, ranks, zigzag, 1 << bits)
+    counts, values, symbols, symbol_counts, escapes = _class_major(classes, ranks, zigzag, 1 << bits, entropy.ESCAPE)
     listed = np.flatnonzero(counts)
     counts = counts[listed]
-    ks, rice_bits = _rice_parameters(gaps, counts)
+    ks, rice_bits = _rice_parameters(values, counts)  # values: ranks in, Rice values (gap - 1) out
     table = bytearray()
     _put_varint(table, int(listed.size))
     for cls, n, k in zip(listed.tolist(), counts.tolist(), ks.tolist()):
@@ -328,9 +384,8 @@ def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, s
         _put_varint(table, n)
         table.append(k)
     rice_buf = np.zeros((int(rice_bits) + 7) // 8 + 8, np.uint8)
-    used = entropy.rice_encode(gaps, ks, counts, rice_buf)
+    used = entropy.rice_encode(values, ks, counts, rice_buf)
 
-    symbols, symbol_counts, escapes = _symbols(deltas, entropy.ESCAPE)
     freqs = entropy.quantise_frequencies(symbol_counts)
     cums, _ = entropy.rans_tables(freqs)
     freq_table = bytearray()
