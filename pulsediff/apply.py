@@ -240,20 +240,21 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
             raise CorruptPatchError(reader.source, f"tensor {rec.name!r} is {rec.op!r} but the base lacks it")
         return view.get(rec.name).bits
 
-    def target_bits(rec: TensorRecord):
+    def target_bits(rec: TensorRecord) -> "Windows | Rebuild":
         payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
         if copy_all:
-            return rebuild_tensor(rec, None, base_bits(rec), backend, reader.source, scratch)
-        if rec.op == "patch" and hasattr(get_codec(rec.section.codec), "decode_windows"):
+            return Rebuild(rec.numel, [(rec, None, reader.source)], base_bits(rec), backend)
+        if (rec.op == "patch" and rec.numel > WINDOW_ELEMENTS
+                and hasattr(get_codec(rec.section.codec), "decode_windows")):
             return rebuild_windows(rec, payload, base_bits(rec), backend, reader.source, scratch)
-        return rebuild_tensor(rec, payload, base_bits(rec) if rec.op != "full" else None, backend,
-                        reader.source, scratch)
+        return Rebuild(rec.numel, [(rec, payload, reader.source)], base_bits(rec) if rec.op != "full" else None,
+                       backend)
 
     def before_commit() -> None:
         reader.expect_end(header.sections_length)
 
     target = receiver or _TargetFiles.of_patch(header, layout_blob, reader.source)
-    _write_target(header, target, target_bits, files, out_path, progress, before_commit)
+    _write_target(header, target, target_bits, files, out_path, progress, before_commit, scratch, backend)
 
 
 def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
@@ -269,15 +270,38 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
     layout_blob = read_layout(final_link.reader, final, sequential=False)
     scratch = Scratch()
 
-    def target_bits(rec: TensorRecord) -> np.ndarray:
-        return carry_through(rec.name, links, view, backend, scratch)
+    def target_bits(rec: TensorRecord) -> "Rebuild":
+        return chain_rebuild(rec.name, links, view, backend)
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
-    _write_target(final, target, target_bits, files, out_path, progress, lambda: None)
+    _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend)
 
 
 def carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
     """The tensor after the last link: from the last link that carries it whole, or from the base."""
+    return chain_rebuild(name, links, view, backend).run(scratch)
+
+
+@dataclass
+class Rebuild:
+    """A target tensor to rebuild: its sections already read (in the patch's order, so a patch on
+    stdin is read front to back), the decoding left to `run`, which may happen on another thread."""
+
+    numel: int
+    steps: list  # (record, payload or None, source) per link, oldest first: each decodes onto the last
+    base_bits: np.ndarray | None  # what the first step decodes onto (None: it carries the tensor whole)
+    backend: object
+
+    def run(self, scratch: Scratch, alone: bool = False) -> np.ndarray:
+        bits = self.base_bits
+        for rec, payload, source in self.steps:
+            bits = rebuild_tensor(rec, payload, bits, self.backend, source, scratch, alone)
+        return bits
+
+
+def chain_rebuild(name: str, links: list[_Link], view: TensorView, backend) -> Rebuild:
+    """How to carry one tensor through every link, from the last link that carries it whole
+    (or from the base); reads its sections now."""
     start = len(links) - 1
     while start >= 0:
         rec = links[start].records.get(name)
@@ -290,19 +314,14 @@ def carry_through(name: str, links: list[_Link], view: TensorView, backend, scra
         if name not in view.ckpt:
             raise ChainError(f"the base lacks tensor {name!r} that the chain builds on")
         bits = view.get(name).bits
-        first = 0
     else:
-        link = links[start]
-        rec = link.records[name]
-        bits = rebuild_tensor(rec, link.reader.read_section(rec.section, f"tensor {name!r}"), None, backend,
-                        link.reader.source, scratch)
-        first = start + 1
-    for k in range(first, len(links)):
-        link = links[k]
+        bits = None
+    steps = []
+    for link in links[max(start, 0):]:
         rec = link.records[name]
         payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
-        bits = rebuild_tensor(rec, payload, bits, backend, link.reader.source, scratch)
-    return bits
+        steps.append((rec, payload, link.reader.source))
+    return Rebuild(steps[-1][0].numel if steps else bits.size, steps, bits, backend)
 
 
 # -- base checks --------------------------------------------------------------
@@ -360,11 +379,12 @@ def _check_base_size(rec: TensorRecord, base_bits: np.ndarray, source: str) -> N
 
 
 def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
-             scratch: Scratch) -> np.ndarray:
+                   scratch: Scratch, alone: bool = False) -> np.ndarray:
     """One target tensor's bits, checked against its recorded hash.
 
     `payload` None means the target tensor is `base_bits` as they are (op
-    "same", or a base that already is the target).
+    "same", or a base that already is the target). `alone`: this runs on one
+    worker thread beside other rebuilds (Codec.decode_alone).
     """
     if payload is None:
         bits = base_bits
@@ -373,7 +393,8 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
         if base_bits is not None and rec.op == "patch":
             _check_base_size(rec, base_bits, source)
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
-        bits = codec.decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
+        decode = codec.decode_alone if alone else codec.decode
+        bits = decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
     if tensor_hash(bits) != rec.target_hash:
         raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
     # The hash says nothing of the size when the header lies about it consistently (a "same" tensor given
@@ -610,8 +631,81 @@ def _seekable(stream) -> bool:
         return False
 
 
+class _SideBySide:
+    """The target tensors in file order, the small ones rebuilt ahead on the worker threads.
+
+    `prepare(rec)` runs on the caller's thread in record order (it reads the
+    record's sections: a patch on stdin is read front to back) and returns a
+    `Windows` (a tensor of more than WINDOW_ELEMENTS, rebuilt when its turn
+    comes, each window's walk spread over the threads) or a `Rebuild`. With
+    `ahead` > 0, a Rebuild of at most WINDOW_ELEMENTS runs on a worker thread
+    of its own (`alone`), up to `ahead` of them past the tensor being
+    written, each into a Scratch of its own that returns to the pool once the
+    writer is done with it; so the entropy decoders of one tensor run beside
+    the walks of others, and no walk pays for a class count pass (measured:
+    the rebuilds of the 1 GiB pair's 165 tensors 1.1-1.4 s -> 0.7-0.8 s on 2
+    threads). Larger Rebuilds run on the caller's thread into `scratch`.
+    """
+
+    def __init__(self, records: list[TensorRecord], prepare, scratch: Scratch, ahead: int):
+        from collections import deque
+
+        self._records, self._prepare, self._scratch, self._ahead = records, prepare, scratch, ahead
+        self._next = 0  # the first record not prepared yet
+        self._queue = deque()  # (record, Future | Windows | Rebuild), in record order
+        self._free = deque(Scratch() for _ in range(ahead + 2))  # the writer returns them (deque: thread-safe)
+
+    def take(self, rec: TensorRecord):
+        """(bits or Windows, release): `release`, when not None, frees the bits' buffer once they are
+        written; None means they live in the caller's scratch, which the next rebuild reuses."""
+        self._top_up()
+        if not self._queue:
+            self._prepare_next()
+        queued, item = self._queue.popleft()
+        if queued.name != rec.name:
+            raise AssertionError(f"tensors taken out of order: {rec.name!r} asked, {queued.name!r} next")
+        self._top_up()  # the next ones start before this one is waited for
+        if isinstance(item, tuple):
+            future, scratch = item
+            return future.result(), lambda: self._free.append(scratch)
+        if isinstance(item, Rebuild):
+            return item.run(self._scratch), None
+        return item, None
+
+    def _prepare_next(self) -> None:
+        rec = self._records[self._next]
+        self._next += 1
+        item = self._prepare(rec)
+        if self._ahead and isinstance(item, Rebuild) and item.numel <= WINDOW_ELEMENTS and self._free:
+            from .kernels.threads import pool
+
+            scratch = self._free.popleft()
+            item = (pool().submit(item.run, scratch, True), scratch)
+        self._queue.append((rec, item))
+
+    def _top_up(self) -> None:
+        # At most `ahead` prepared: each holds its sections in memory, and a Windows its patch's share.
+        while self._next < len(self._records) and len(self._queue) < self._ahead:
+            self._prepare_next()
+
+    def close(self) -> None:
+        """Wait for every rebuild still running: they read the base, which closes next."""
+        from concurrent.futures import wait
+
+        futures = [item[0] for _, item in self._queue if isinstance(item, tuple)]
+        for future in futures:
+            future.cancel()
+        while futures:
+            try:
+                wait(futures)
+                break
+            except BaseException:  # noqa: BLE001 - even a second Ctrl-C waits: the base unmaps next
+                pass
+        self._queue.clear()
+
+
 def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files: FolderFileSources, out_path: Path,
-                  progress: Progress, before_commit) -> None:
+                  progress: Progress, before_commit, scratch: Scratch, backend) -> None:
     """Write the target's files from staged temporaries; rename only once all is verified.
 
     A new output folder is built whole under a temporary name and renamed
@@ -620,6 +714,8 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
     progress.begin("apply", sum(r.nbytes for r in header.tensors), len(header.tensors))
     rebuilt: list[TensorId] = []
     writer = _PipelinedWriter()  # tensor data goes out while the next is rebuilt
+    tensors = _SideBySide([rec for _, _, records in target.files for rec in records], target_bits, scratch,
+                          backend.side_by_side())
     with StagedFiles() as staged:
         if target.kind == "dir" and not out_path.exists():
             staged.new_folder(out_path)
@@ -630,15 +726,17 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
                         f.write(len(raw).to_bytes(8, "little"))
                         f.write(raw)
                         for rec in records:
-                            bits = target_bits(rec)
+                            bits, release = tensors.take(rec)
                             if isinstance(bits, Windows):
                                 for part in bits.parts:
                                     writer.put(f, memoryview(part).cast("B"), bits.hasher)
                                 writer.put(f, memoryview(b""), bits.hasher, bits.check)
                             elif bits.size:
-                                # a whole tensor may sit in a buffer the next rebuild reuses: no overlap
-                                writer.put(f, memoryview(np.ascontiguousarray(bits)).cast("B"))
-                                writer.drain()
+                                writer.put(f, memoryview(np.ascontiguousarray(bits)).cast("B"), then=release)
+                                if release is None:
+                                    writer.drain()  # in the caller's scratch, which the next rebuild reuses
+                            elif release is not None:
+                                release()
                             rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
                             progress.advance(rec.nbytes)
                         writer.drain()  # the file closes next
@@ -646,6 +744,7 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
                         writer.abandon()  # no write may still be in flight when the file closes
                         raise
         finally:
+            tensors.close()
             writer.close()
         if target.index is not None:
             with staged.open(out_path / INDEX_NAME) as f:

@@ -74,6 +74,23 @@ def test_fuzz_cases(corpus, tmp_path, kind, one_kernel_thread):
     assert verdicts.get("refused") and (verdicts.get("accepted") or kind == "full-zstd"), verdicts
 
 
+@pytest.mark.parametrize("kind,cases", [("ctx-rans", 300), ("gap-zstd", 150)])
+def test_fuzz_cases_rebuilt_side_by_side(corpus, tmp_path, kind, cases, monkeypatch):
+    """The same mutated sections through apply's other path: every (tiny) tensor rebuilt on a
+    worker thread of its own beside the others (Codec.decode_alone; apply._SideBySide)."""
+    monkeypatch.setenv("PULSEDIFF_THREADS", "2")
+    before = fc.snapshot(corpus.root)
+    findings, verdicts = [], {}
+    for seed in range(cases):
+        o = fc.run_case(kind, 10_000 + seed, corpus, tmp_path)
+        verdicts[o.verdict] = verdicts.get(o.verdict, 0) + 1
+        if o.finding:
+            findings.append(f"{kind} {seed}: {o.verdict}: {o.detail}")
+    assert not findings, "\n".join(findings)
+    assert fc.snapshot(corpus.root) == before
+    assert verdicts.get("refused") and verdicts.get("accepted"), verdicts
+
+
 # -- regression tests: each failed before its fix -------------------------------------------------
 
 

@@ -74,6 +74,13 @@ class Codec(ABC):
                kernels: ModuleType, scratch: "Scratch") -> np.ndarray:
         """The target bits; may live in `scratch`, so use them before the next decode."""
 
+    def decode_alone(self, base: np.ndarray | None, payload: bytes, params: dict, ctx: SectionContext,
+                     kernels: ModuleType, scratch: "Scratch") -> np.ndarray:
+        """decode() when the caller runs it on one worker thread, beside other tensors' decodes
+        (kernels called from a worker thread run on it alone): a codec whose decode does work
+        only to spread itself over threads leaves that out here."""
+        return self.decode(base, payload, params, ctx, kernels, scratch)
+
     def locate(self, base, payload: bytes, params: dict, ctx: SectionContext, kernels: ModuleType,
                scratch: "Scratch"):
         """The changes as (positions, zigzag deltas), positions in the memory `base` lives in (a

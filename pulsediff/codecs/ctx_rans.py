@@ -318,6 +318,20 @@ class CtxRans(Codec):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
 
+    def decode_alone(self, base, payload, params, ctx: SectionContext, kernels: ModuleType,
+                     scratch: Scratch) -> np.ndarray:
+        """decode() on the calling thread alone, for a worker rebuilding one of several tensors side
+        by side: the values decode here too, and the walk over the base is one range, which needs
+        no class count pass before it (that pass only splits a walk across threads). A rank past
+        its class is never met by the walk, so the count of applied entries catches it."""
+        entries, _ = _decode_entries(payload, params, ctx, scratch, inline=True)
+        out = scratch.take(base.size, base.dtype)  # may be `base` itself: a chain decodes in place
+        one_range = np.zeros((1, entries.mask + 1), np.int64)
+        if kernels.apply_ranked(base, entries.shift, entries.mask, one_range, entries.offsets, entries.ranks,
+                                entries.deltas, out) != entries.count:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
+        return out
+
     def locate(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
         """Positions (entry order, where `base` lives) and zigzag deltas of the changed elements:
         the class counts and the rank walk run on `base`'s device, the entropy decode here."""
@@ -427,9 +441,11 @@ class _Entries:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside their class")
 
 
-def _decode_entries(payload: bytes, params: dict, ctx: SectionContext, scratch: Scratch, during=None):
+def _decode_entries(payload: bytes, params: dict, ctx: SectionContext, scratch: Scratch, during=None,
+                    inline: bool = False):
     """Decode a section's class table, ranks and deltas; `during(shift, mask)`, if given,
-    runs on this thread while the values decode on another. Returns (entries, its result)."""
+    runs on this thread while the values decode on another (`inline`: on this one, after the
+    ranks). Returns (entries, its result)."""
     count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = _split(payload, params, ctx)
     reader = _Reader(table, ctx, "class table")
     listed = reader.varint(mask + 1)
@@ -448,8 +464,8 @@ def _decode_entries(payload: bytes, params: dict, ctx: SectionContext, scratch: 
     # The value stream is independent of the positions: decode it on a second
     # core (the entropy decoders are sequential and release the GIL).
     symbols = scratch.take(count, np.uint8, "symbols")
-    values = _values_executor().submit(_decode_values, freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx,
-                                       symbols)
+    decode_values = (freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx, symbols)
+    values = None if inline else _values_executor().submit(_decode_values, *decode_values)
     try:
         # positions: ranks within classes, bounded by the tensor here and by
         # each class's size once the base's classes are counted
@@ -462,9 +478,10 @@ def _decode_entries(payload: bytes, params: dict, ctx: SectionContext, scratch: 
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: position stream is damaged")
         extra = during(shift, mask) if during is not None else None
     except BaseException:
-        wait([values])  # it writes into scratch: let it finish before anything else does
+        if values is not None:
+            wait([values])  # it writes into scratch: let it finish before anything else does
         raise
-    deltas = values.result()
+    deltas = _decode_values(*decode_values) if values is None else values.result()
     offsets = np.zeros(mask + 2, np.int64)
     per_class = np.zeros(mask + 1, np.int64)
     per_class[classes] = counts

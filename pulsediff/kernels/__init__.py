@@ -62,6 +62,10 @@ class Backend(Protocol):
     def class_major_order(self, classes: "np.ndarray", ncls: int) -> "np.ndarray":
         """The stable permutation grouping indices by class."""
 
+    def side_by_side(self) -> int:
+        """How many tensors a caller may rebuild at once, each on a worker thread of its own
+        (`threads.pool()`); 0: one at a time, each spread over the backend's own parallelism."""
+
     def resident(self, *arrays: "np.ndarray") -> tuple:
         """The arrays where the kernels use them without a copy (uploaded once to a device)."""
 

@@ -491,6 +491,13 @@ def apply_ranked(base, shift, mask, starts, class_offsets, ranks, deltas, out) -
         for c, (lo, hi) in enumerate(ranges) if hi > lo])))
 
 
+def side_by_side() -> int:
+    """Tensors apply may rebuild at once, one per worker thread: a kernel called from a worker
+    runs inline on it (threads.parallel_map), so each such tensor is walked on one thread."""
+    n = num_threads()
+    return n if n > 1 else 0
+
+
 def resident(*arrays):
     """The arrays where this backend's kernels use them without a copy: here, as they are."""
     return arrays

@@ -1137,6 +1137,11 @@ class _Buffers(threading.local):
 _buffers = _Buffers()
 
 
+def side_by_side() -> int:
+    """0: apply rebuilds tensors one at a time, each spread over the device."""
+    return 0
+
+
 def resident(*arrays):
     """The arrays on the device (host ones uploaded once), for kernels called on them again and
     again: a tensor's decoded entries, used by every window of it."""

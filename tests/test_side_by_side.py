@@ -1,0 +1,135 @@
+"""apply rebuilding small tensors side by side on the worker threads (apply._SideBySide).
+
+Each tensor of at most WINDOW_ELEMENTS is rebuilt on one worker thread with
+Codec.decode_alone while others are rebuilt on the other threads and the
+writer writes the one before; larger tensors keep the windowed rebuild. The
+output must be the same bytes whichever way a tensor went, and a failure in
+one rebuild must leave no output and no rebuild still running.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import pulsediff.apply as apply_mod
+from ckpt_factory import mutate, random_tensor, save
+from pulsediff import apply_patch, make_patch
+from pulsediff.apply import apply_chain
+from pulsediff.codecs import get_codec
+from pulsediff.codecs.base import SectionContext
+from pulsediff.dtypes import DTYPES
+from pulsediff.errors import CorruptPatchError
+from pulsediff.kernels import cpu
+from pulsediff.memory import Scratch
+
+
+@pytest.fixture
+def three_threads(monkeypatch):
+    monkeypatch.setenv("PULSEDIFF_THREADS", "3")
+    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 3000)  # tensors above this: the windowed rebuild
+
+
+def many_tensors(rng, steps: int):
+    """A checkpoint of small tensors of every kind (rebuilt side by side) and two above the window."""
+    t = {f"w{i}": random_tensor(rng, dtype, shape) for i, (dtype, shape) in enumerate(
+        [("BF16", (40, 50)), ("F32", (700,)), ("F16", (30, 30)), ("BF16", (1,)), ("I64", (9,)),
+         ("BF16", (100, 90)), ("F32", (5000,)), ("BF16", (20, 20)), ("F8_E4M3", (300,)), ("BF16", (64, 40))])}
+    states = [t]
+    for k in range(steps):
+        t = {name: mutate(rng, x, 0.03 if k % 2 else 0.2) for name, x in t.items()}
+        states.append(t)
+    return states
+
+
+@pytest.mark.parametrize("codec", ["ctx-rans", "gap-zstd"])
+def test_side_by_side_apply_writes_the_target(tmp_path, three_threads, codec):
+    rng = np.random.default_rng(3)
+    old, new = (save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 1)))
+    patch = tmp_path / "p.pulsediff"
+    make_patch(old, new, patch, codec=codec, device="cpu")
+    out = tmp_path / "out.safetensors"
+    apply_patch(old, patch, out, device="cpu")
+    assert out.read_bytes() == new.read_bytes()
+
+
+def test_side_by_side_chain_writes_the_target(tmp_path, three_threads):
+    """A chain (random access): each tensor carried through every link on one worker thread."""
+    rng = np.random.default_rng(4)
+    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 3))]
+    patches = []
+    for k in range(3):
+        patches.append(tmp_path / f"p{k}.pulsediff")
+        make_patch(paths[k], paths[k + 1], patches[-1], device="cpu")
+    out = tmp_path / "out.safetensors"
+    apply_chain(paths[0], patches, out, device="cpu")
+    assert out.read_bytes() == paths[-1].read_bytes()
+
+
+def test_a_damaged_tensor_rebuilt_side_by_side_writes_nothing_and_leaves_no_rebuild_running(
+        tmp_path, three_threads, monkeypatch):
+    rng = np.random.default_rng(5)
+    old, new = (save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 1)))
+    patch = tmp_path / "p.pulsediff"
+    make_patch(old, new, patch, device="cpu")
+    real = apply_mod.rebuild_tensor
+    running, threads_seen = [], set()
+
+    def slow_or_failing(rec, payload, base_bits, backend, source, scratch, alone=False):
+        running.append(rec.name)
+        threads_seen.add(threading.current_thread().name)
+        try:
+            if rec.name == "w7":
+                raise CorruptPatchError(source, f"tensor {rec.name!r}: forced")
+            return real(rec, payload, base_bits, backend, source, scratch, alone)
+        finally:
+            running.remove(rec.name)
+
+    monkeypatch.setattr(apply_mod, "rebuild_tensor", slow_or_failing)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CorruptPatchError, match="forced"):
+        apply_patch(old, patch, out, device="cpu")
+    assert not running  # every rebuild had finished when apply returned (the base unmaps next)
+    assert any(name.startswith("pulsediff") for name in threads_seen)  # they did run on worker threads
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["p.pulsediff", "s0.safetensors",
+                                                                               "s1.safetensors"]
+
+
+@pytest.mark.parametrize("name,dtype,density", [("BF16", np.uint16, 0.02), ("BF16", np.uint16, 1.0),
+                                                ("F32", np.uint32, 0.3), ("F8_E4M3", np.uint8, 0.1),
+                                                ("I64", np.uint64, 0.05)])
+def test_ctx_rans_decode_alone_matches_decode(name, dtype, density):
+    rng = np.random.default_rng(int(density * 100))
+    n = 70_001
+    base = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+    target = base.copy()
+    hit = rng.random(n) < density
+    target[hit] += rng.integers(1, 5, int(hit.sum())).astype(dtype)
+    codec = get_codec("ctx-rans")
+    _, enc = codec.encode_pair(base, target, dtype=DTYPES[name], kernels=cpu)
+    payload, ctx = b"".join(enc.parts), SectionContext("t", n, base.itemsize, "test")
+    alone = codec.decode_alone(base, payload, enc.params, ctx, cpu, Scratch())
+    assert np.array_equal(alone, target)
+    assert np.array_equal(alone, codec.decode(base, payload, enc.params, ctx, cpu, Scratch()))
+    in_place = base.copy()  # a chain decodes onto the previous link's output, in its own buffer
+    scratch = Scratch()
+    scratch.take(n, in_place.dtype)[:] = in_place
+    assert np.array_equal(codec.decode_alone(scratch.take(n, in_place.dtype), payload, enc.params, ctx, cpu, scratch),
+                          target)
+
+
+def test_ctx_rans_decode_alone_refuses_a_rank_past_its_class():
+    """decode_alone counts no class sizes first: the walk never meets such a rank, and the count
+    of applied entries says so."""
+    base = np.full(4000, 0x3F80, np.uint16)  # one class: rank r is element r
+    target = base.copy()
+    target[-1] += np.uint16(1)
+    codec = get_codec("ctx-rans")
+    _, enc = codec.encode_pair(base, target, dtype=DTYPES["BF16"], kernels=cpu)
+    payload, ctx = b"".join(enc.parts), SectionContext("t", 4000, 2, "test")
+    other = base.copy()
+    other[0] = 0x4080  # another exponent: the class now has 3999 elements, and rank 3999 is past its end
+    with pytest.raises(CorruptPatchError, match="outside the tensor"):
+        codec.decode_alone(other, payload, enc.params, ctx, cpu, Scratch())
