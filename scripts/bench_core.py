@@ -15,14 +15,21 @@ Each repetition runs, in subprocesses:
 and reports medians of wall time (time.perf_counter around spawn and exit, so
 process start-up, imports and JIT-cache loading are included), throughput in
 GB/s of NEW's size (for every row, cat's included although it reads twice
-that), and each command's peak RSS (GNU time's %M; it counts the pages of
+that), each command's peak RSS (GNU time's %M; it counts the pages of
 memory-mapped inputs that were touched, so a tool that maps its inputs shows
-up to their size even when it allocates little). After
-every apply, OUT must be byte-identical to NEW (cmp).
+up to their size even when it allocates little) and its peak *private*
+memory (RssAnon of the command's process, sampled every 20 ms by a thread of
+this one: heap, buffers and stacks, what a second process cannot have;
+scripts/peak_private.py does the same for one command). After every apply,
+OUT must be byte-identical to NEW (cmp).
 
-Page caches are not dropped (that needs root); instead one untimed round of
-every command runs first, so all timings are warm-cache: inputs in memory,
-Numba's on-disk cache compiled. Outputs are deleted between runs, untimed.
+By default page caches are not dropped; instead one untimed round of every
+command runs first, so all timings are warm-cache: inputs in memory, Numba's
+on-disk cache compiled. With --cold (root only) every command, timed or not,
+starts after `sync` and `echo 3 > /proc/sys/vm/drop_caches`: the way to time
+a pair larger than memory (--gb 14 --density 0.01 is the 7B shape of issue
+13), where part of every read comes from the disk anyway. Outputs are deleted
+between runs, untimed.
 
 With --gb the pair is generated first by make_synthetic_pair.py (next to this
 file) into the work folder. This is a benchmark, not a test.
@@ -53,6 +60,7 @@ class Op:
     cleanup: list[Path] = field(default_factory=list)  # removed before each run, untimed
     times: list[float] = field(default_factory=list)
     peak_rss_kib: list[int] = field(default_factory=list)
+    peak_private_kib: list[int] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -112,28 +120,67 @@ def gnu_time() -> str | None:
     return None
 
 
-def run_timed(argv: list[str], time_cmd: str | None, rss_file: Path) -> tuple[float, int]:
-    """(wall seconds, peak RSS in KiB) of one command; exits on failure.
+def private_kib(pid: int, via_parent: bool) -> int:
+    """RssAnon of `pid`, or with `via_parent` of its first child (the command GNU time runs); 0 if gone."""
+    try:
+        if via_parent:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = f.read().split()
+            if not children:
+                return 0
+            pid = int(children[0])
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def drop_caches() -> None:
+    """Write back dirty pages, then drop the page cache (root only): the next command reads from disk."""
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def run_timed(argv: list[str], time_cmd: str | None, rss_file: Path, interval: float = 0.02) -> tuple[float, int, int]:
+    """(wall seconds, peak RSS in KiB, peak private memory in KiB) of one command; exits on failure.
 
     The peak RSS comes from GNU time when there is one: a child's ru_maxrss
     also counts the memory of the process that spawned it, as it was before
     exec, so it must be spawned by something small, not by this Python. Without
-    GNU time, wait4's figure is a floor of this process's own RSS.
+    GNU time, wait4's figure is a floor of this process's own RSS. The private
+    memory is sampled by a thread (the main thread's wait stays exact; a peak
+    shorter than `interval` can be missed).
     """
+    import threading
+
     full = [time_cmd, "-f", "%M", "-o", str(rss_file), *argv] if time_cmd else argv
     t0 = time.perf_counter()
     proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stop, peak = threading.Event(), [0]
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], private_kib(proc.pid, time_cmd is not None))
+            stop.wait(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     stderr = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
     proc.stderr.close()
     if proc.returncode != 0:
         sys.exit(f"bench_core: {' '.join(argv)} failed with exit status {proc.returncode}:\n"
                  f"{stderr.decode(errors='replace')}")
     if time_cmd:
-        return elapsed, int(rss_file.read_text().split()[-1])
-    return elapsed, usage.ru_maxrss  # KiB on Linux
+        return elapsed, int(rss_file.read_text().split()[-1]), peak[0]
+    return elapsed, usage.ru_maxrss, peak[0]  # KiB on Linux
 
 
 def identical(a: Path, b: Path) -> bool:
@@ -171,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--make-arg", action="append", default=[], help="extra argument for `pulsediff make` (repeatable)")
     ap.add_argument("--apply-arg", action="append", default=[], help="extra argument for `pulsediff apply` (repeatable)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up round")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache before every command (root only; implies --no-warmup)")
     ap.add_argument("--json", type=Path, help="also save the results to this JSON file")
     args = ap.parse_args(argv)
     if (args.gb is not None) == (args.old is not None or args.new is not None) or \
@@ -178,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give either --old and --new, or --gb")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.cold:
+        if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+            ap.error("--cold drops the page cache, which needs root")
+        args.no_warmup = True
 
     pulsediff = find_pulsediff(args.pulsediff)
     made_workdir = args.workdir is None
@@ -236,9 +289,11 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
     time_cmd = gnu_time()
     rss_file = work / "rss.txt"
 
-    def run(op: Op) -> tuple[float, int]:
+    def run(op: Op) -> tuple[float, int, int]:
         for p in op.cleanup:
             remove(p)
+        if args.cold:
+            drop_caches()
         return run_timed(op.argv, time_cmd, rss_file)
 
     if not args.no_warmup:
@@ -249,9 +304,10 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
     cmp_ok = True
     for r in range(args.repeats):
         for op in ops:
-            dt, rss = run(op)
+            dt, rss, private = run(op)
             op.times.append(dt)
             op.peak_rss_kib.append(rss)
+            op.peak_private_kib.append(private)
         same = identical(out, new) and (baseline_out is None or identical(baseline_out, new))
         cmp_ok &= same
         print(f"repeat {r + 1}/{args.repeats}: make {by_name['make'].times[-1]:.2f} s, "
@@ -262,12 +318,13 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
     results = {
         "old": str(old), "new": str(new), "old_bytes": old_bytes, "new_bytes": new_bytes,
         "patch_bytes": patch_bytes, "ratio_dense_over_patch": new_bytes / patch_bytes,
-        "repeats": args.repeats, "warm_cache": not args.no_warmup, "cmp_ok": cmp_ok,
+        "repeats": args.repeats, "warm_cache": not args.no_warmup, "cold": args.cold, "cmp_ok": cmp_ok,
         "rss_source": "GNU time" if time_cmd else "wait4 (a floor of the benchmark's own RSS)",
         "ops": {op.name: {**{k: v for k, v in asdict(op).items() if k not in ("name", "cleanup")},
                           "median_s": op.median,
                           "gb_per_s_of_new": new_bytes / 1e9 / op.median,
-                          "peak_rss_mib": max(op.peak_rss_kib) / 1024} for op in ops},
+                          "peak_rss_mib": max(op.peak_rss_kib) / 1024,
+                          "peak_private_mib": max(op.peak_private_kib) / 1024} for op in ops},
         "make_over_cat": by_name["make"].median / by_name["cat OLD NEW"].median,
         "apply_over_cp": by_name["apply"].median / by_name["cp NEW"].median,
         "apply_over_cp_sync": by_name["apply"].median / by_name["cp NEW + sync"].median,
@@ -291,18 +348,22 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
 def render(r: dict, ops: list[Op]) -> None:
     print(f"NEW   {r['new']}: {r['new_bytes']:,} bytes ({r['new_bytes'] / 1e9:.3f} GB)")
     print(f"patch {r['patch_bytes']:,} bytes, dense/patch ratio {r['ratio_dense_over_patch']:.1f}x")
-    print(f"{r['repeats']} repeats, medians; warm page cache "
-          f"({'one untimed warm-up round first' if r['warm_cache'] else 'NO warm-up round'}; "
-          f"caches not dropped); workdir fs: {r['env']['workdir_fs']}; load avg {r['env']['loadavg'][0]:.2f}")
+    caches = ("cold page cache (sync and drop_caches before every command)" if r["cold"] else
+              f"warm page cache ({'one untimed warm-up round first' if r['warm_cache'] else 'NO warm-up round'}; "
+              f"caches not dropped)")
+    print(f"{r['repeats']} repeats, medians; {caches}; workdir fs: {r['env']['workdir_fs']}; "
+          f"load avg {r['env']['loadavg'][0]:.2f}")
     print(f"wall time includes process start-up; peak RSS from {r['rss_source']}, "
-          f"memory-mapped file pages included")
+          f"memory-mapped file pages included; private: peak RssAnon, sampled every 20 ms")
     print()
-    head = f"{'command':<18} {'median s':>9} {'min s':>8} {'max s':>8} {'GB/s of NEW':>12} {'peak RSS MiB':>13}"
+    head = (f"{'command':<18} {'median s':>9} {'min s':>8} {'max s':>8} {'GB/s of NEW':>12} {'peak RSS MiB':>13} "
+            f"{'private MiB':>12}")
     print(head)
     print("-" * len(head))
     for op in ops:
         print(f"{op.name:<18} {op.median:>9.3f} {min(op.times):>8.3f} {max(op.times):>8.3f} "
-              f"{r['new_bytes'] / 1e9 / op.median:>12.2f} {max(op.peak_rss_kib) / 1024:>13.0f}")
+              f"{r['new_bytes'] / 1e9 / op.median:>12.2f} {max(op.peak_rss_kib) / 1024:>13.0f} "
+              f"{max(op.peak_private_kib) / 1024:>12.0f}")
     print()
     print(f"make / cat       {r['make_over_cat']:.2f}x   (cat reads OLD and NEW, as make does)")
     print(f"apply / cp       {r['apply_over_cp']:.2f}x   (cp leaves its copy in the page cache)")
