@@ -642,9 +642,9 @@ class _SideBySide:
     of its own (`alone`), up to `ahead` of them past the tensor being
     written, each into a Scratch of its own that returns to the pool once the
     writer is done with it; so the entropy decoders of one tensor run beside
-    the walks of others, and no walk pays for a class count pass (measured:
-    the rebuilds of the 1 GiB pair's 165 tensors 1.1-1.4 s -> 0.7-0.8 s on 2
-    threads). Larger Rebuilds run on the caller's thread into `scratch`.
+    the walks of others, and no walk pays for a class count pass (measured on
+    the 1 GiB pair of docs/BENCHMARKS.md, 2 threads: apply 2.28 -> 1.89 s).
+    Larger Rebuilds run on the caller's thread into `scratch`.
     """
 
     def __init__(self, records: list[TensorRecord], prepare, scratch: Scratch, ahead: int):

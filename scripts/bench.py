@@ -264,7 +264,7 @@ def timed(argv: list[str], time_cmd: str | None, rss_file: Path, timeout: float 
     """
     t0 = time.perf_counter()
     try:
-        return run_timed(argv, time_cmd, rss_file)
+        return run_timed(argv, time_cmd, rss_file)[:2]
     except SystemExit as e:
         if timeout and time.perf_counter() - t0 >= timeout:
             return f"timed out (> {timeout:g} s)"

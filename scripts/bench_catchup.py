@@ -232,7 +232,7 @@ def ensure_published(work: Path, codec: str, args, pulsediff: list[str], time_cm
     print(f"publishing with {codec} into {pub}...", file=sys.stderr)
     argv = [*pulsediff, "publish", str(work / "train"), str(pub), "--anchor-every", str(args.anchor_every),
             "--codec", codec, "-q"]
-    seconds, rss = run_timed(argv, time_cmd, work / "rss.txt")
+    seconds, rss, _ = run_timed(argv, time_cmd, work / "rss.txt")
     rec = {"codec": codec, "anchor_every": args.anchor_every, "seconds": seconds, "peak_rss_kib": rss,
            "argv": argv}
     rec_path.write_text(json.dumps(rec, indent=1) + "\n")
@@ -389,7 +389,7 @@ def _timed(args, ops, codecs, work, base, newest, out, pulsediff, time_cmd, rss_
     def run(op: Op) -> float:
         for p in op.cleanup:
             remove(p)
-        dt, rss = run_timed(op.argv, time_cmd, rss_file)
+        dt, rss, _ = run_timed(op.argv, time_cmd, rss_file)
         if op.fetched_into is not None:
             op.fetch_bytes = sum(p.stat().st_size for p in op.fetched_into.iterdir())
         if op.check is not None:
