@@ -334,7 +334,7 @@ def test_ctx_rans_windowed_decode_matches_whole_decode(window):
     assert np.array_equal(np.concatenate(parts), target)
 
 
-def test_ctx_rans_windowed_decode_refuses_a_rank_past_its_class_before_the_last_window():
+def test_ctx_rans_refuses_a_rank_past_its_class_windowed_before_the_last_window_and_alone():
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import SectionContext
     from pulsediff.dtypes import DTYPES
@@ -356,6 +356,9 @@ def test_ctx_rans_windowed_decode_refuses_a_rank_past_its_class_before_the_last_
             got.append(part)
     assert len(got) == 3  # the fourth (last) window is never handed out
     assert [p.size for p in codec.decode_windows(base, payload, enc.params, ctx, cpu, Scratch(), 1000)] == [1000] * 4
+    # decode_alone (one walk, no class count first) never meets the rank: the applied count says so
+    with pytest.raises(CorruptPatchError, match="outside the tensor"):
+        codec.decode_alone(other, payload, enc.params, ctx, cpu, Scratch())
 
 
 def test_rans_reciprocal_division_is_exact_over_the_state_range():
