@@ -631,6 +631,12 @@ def _seekable(stream) -> bool:
         return False
 
 
+# At most this many tensors rebuilt ahead, whatever the thread count: each holds a scratch of
+# its own (up to one window of output, and its decoded entries) until written, so memory stays
+# bounded (worst case about 10 x 136 MiB: F64 windows with every element changed; 2% BF16: 170 MiB).
+MAX_SIDE_BY_SIDE = 8
+
+
 class _SideBySide:
     """The target tensors in file order, the small ones rebuilt ahead on the worker threads.
 
@@ -715,7 +721,7 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
     rebuilt: list[TensorId] = []
     writer = _PipelinedWriter()  # tensor data goes out while the next is rebuilt
     tensors = _SideBySide([rec for _, _, records in target.files for rec in records], target_bits, scratch,
-                          backend.side_by_side())
+                          min(backend.side_by_side(), MAX_SIDE_BY_SIDE))
     with StagedFiles() as staged:
         if target.kind == "dir" and not out_path.exists():
             staged.new_folder(out_path)
