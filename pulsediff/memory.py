@@ -7,7 +7,7 @@ one call (docs/BENCHMARKS.md, "Memory
 and writes"; scripts/bench_memory.py), and `cp` of a 1 GB checkpoint takes
 0.37 s. Linux (5.14+) can map a whole range in one call
 (MADV_POPULATE_WRITE / MADV_POPULATE_READ), and large anonymous buffers can
-use 2 MiB pages (MADV_HUGEPAGE). For a file already in the page cache the
+use 2 MiB pages (MADV_HUGEPAGE; but see fresh_buffer). For a file already in the page cache the
 kernel maps pages around each fault anyway, so populating a mapped tensor
 gains little (0.04 s against 0.01 s per GiB); it is kept because it costs
 nothing. All are hints: where the kernel or the platform lacks them,
@@ -111,7 +111,17 @@ def unmap_pages(mapped: mmap.mmap | None, start: int, length: int) -> None:
 
 
 def fresh_buffer(nbytes: int) -> np.ndarray:
-    """A writable uint8 array of `nbytes`, its pages already mapped (huge pages where offered)."""
+    """A writable uint8 array of `nbytes`, its pages already mapped.
+
+    The map is Python's default for anonymous memory, MAP_SHARED: shared
+    memory (the process's RssShmem, not RssAnon), which Linux backs with 2 MiB
+    pages only where shmem huge pages are on (commonly "never"), so the
+    MADV_HUGEPAGE below is usually a no-op. A MAP_PRIVATE map does get huge
+    pages and populates 6x faster (256 MiB in 0.022 against 0.135 s), but only
+    once the process has some: the first one cost 0.48 to 0.57 s in every new
+    process (compaction, machine C of docs/BENCHMARKS.md), more than a whole
+    short apply saves, so the shared map stays.
+    """
     if nbytes < _MIN_MAPPED:
         return np.empty(nbytes, np.uint8)
     mapped = mmap.mmap(-1, nbytes)

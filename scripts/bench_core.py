@@ -18,9 +18,9 @@ GB/s of NEW's size (for every row, cat's included although it reads twice
 that), each command's peak RSS (GNU time's %M; it counts the pages of
 memory-mapped inputs that were touched, so a tool that maps its inputs shows
 up to their size even when it allocates little) and its peak *private*
-memory (RssAnon of the command's process, sampled every 20 ms by a thread of
-this one: heap, buffers and stacks, what a second process cannot have;
-scripts/peak_private.py does the same for one command). After every apply,
+memory (RssAnon + RssShmem of the command's process, sampled every 20 ms by a
+thread of this one: heap, stacks and anonymous maps, what a second process
+cannot have; scripts/peak_private.py does the same for one command). After every apply,
 OUT must be byte-identical to NEW (cmp).
 
 By default page caches are not dropped; instead one untimed round of every
@@ -121,7 +121,8 @@ def gnu_time() -> str | None:
 
 
 def private_kib(pid: int, via_parent: bool) -> int:
-    """RssAnon of `pid`, or with `via_parent` of its first child (the command GNU time runs); 0 if gone."""
+    """RssAnon + RssShmem of `pid` (anonymous maps are MAP_SHARED in Python: pulsediff's large buffers
+    count as shared memory), or with `via_parent` of its first child (the command GNU time runs); 0 if gone."""
     try:
         if via_parent:
             with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -130,9 +131,7 @@ def private_kib(pid: int, via_parent: bool) -> int:
                 return 0
             pid = int(children[0])
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
+            return sum(int(line.split()[1]) for line in f if line.startswith(("RssAnon:", "RssShmem:")))
     except (OSError, ValueError, IndexError):
         pass
     return 0
@@ -354,7 +353,7 @@ def render(r: dict, ops: list[Op]) -> None:
     print(f"{r['repeats']} repeats, medians; {caches}; workdir fs: {r['env']['workdir_fs']}; "
           f"load avg {r['env']['loadavg'][0]:.2f}")
     print(f"wall time includes process start-up; peak RSS from {r['rss_source']}, "
-          f"memory-mapped file pages included; private: peak RssAnon, sampled every 20 ms")
+          f"memory-mapped file pages included; private: peak RssAnon + RssShmem, sampled every 20 ms")
     print()
     head = (f"{'command':<18} {'median s':>9} {'min s':>8} {'max s':>8} {'GB/s of NEW':>12} {'peak RSS MiB':>13} "
             f"{'private MiB':>12}")

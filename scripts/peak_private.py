@@ -5,9 +5,12 @@
 Peak RSS (GNU time's %M) counts the pages of memory-mapped files a process
 has touched, so a tool that maps a 14 GB checkpoint shows up to 14 GB even
 when it allocates little. What a second process on the machine cannot have is
-the process's anonymous memory: RssAnon in /proc/PID/status (heap, buffers,
-thread stacks), sampled every --interval seconds until the command exits (a
-peak shorter than the interval can be missed). Prints one JSON line:
+the process's anonymous memory: RssAnon + RssShmem in /proc/PID/status
+(heap, thread stacks, and anonymous maps, which Python makes MAP_SHARED and
+the kernel counts as shared memory although no other process maps them:
+pulsediff's large buffers are those), sampled every --interval seconds until
+the command exits (a peak shorter than the interval can be missed). Before
+2026-11-25 this counted RssAnon alone and missed those buffers. Prints one JSON line:
 {"seconds": ..., "peak_private_mib": ..., "peak_rss_mib": ..., "exit": ...}.
 Linux only. A measuring tool for benchmarks, not a test.
 """
@@ -44,7 +47,8 @@ def main() -> int:
     proc = subprocess.Popen(command)
     peak_anon = peak_rss = 0
     while proc.poll() is None:
-        peak_anon = max(peak_anon, status_kib(proc.pid, "RssAnon"))
+        # pulsediff's large buffers are anonymous MAP_SHARED maps (memory.fresh_buffer): RssShmem
+        peak_anon = max(peak_anon, status_kib(proc.pid, "RssAnon") + status_kib(proc.pid, "RssShmem"))
         peak_rss = max(peak_rss, status_kib(proc.pid, "VmHWM"))
         time.sleep(args.interval)
     seconds = time.perf_counter() - t0
