@@ -56,13 +56,13 @@ def one_kernel_thread(monkeypatch):
     monkeypatch.setattr(pulsediff.apply, "WINDOW_ELEMENTS", 37)
 
 
-@pytest.mark.parametrize("kind", fc.KINDS)
-def test_fuzz_cases(corpus, tmp_path, kind, one_kernel_thread):
+def run_cases(kind: str, seeds, corpus, tmp_path) -> dict[str, int]:
+    """Run the cases; fail on any finding or on a touched corpus. Returns the verdict counts."""
     before = fc.snapshot(corpus.root)
     findings, verdicts = [], {}
     faulthandler.dump_traceback_later(600, exit=True)  # a hang fails the run with a traceback, not a stall
     try:
-        for seed in range(CI_CASES[kind]):
+        for seed in seeds:
             o = fc.run_case(kind, seed, corpus, tmp_path)
             verdicts[o.verdict] = verdicts.get(o.verdict, 0) + 1
             if o.finding:
@@ -71,23 +71,21 @@ def test_fuzz_cases(corpus, tmp_path, kind, one_kernel_thread):
         faulthandler.cancel_dump_traceback_later()
     assert not findings, "\n".join(findings)
     assert fc.snapshot(corpus.root) == before  # no base, patch or reference was touched
+    return verdicts
+
+
+@pytest.mark.parametrize("kind", fc.KINDS)
+def test_fuzz_cases(corpus, tmp_path, kind, one_kernel_thread):
+    verdicts = run_cases(kind, range(CI_CASES[kind]), corpus, tmp_path)
     assert verdicts.get("refused") and (verdicts.get("accepted") or kind == "full-zstd"), verdicts
 
 
 @pytest.mark.parametrize("kind,cases", [("ctx-rans", 300), ("gap-zstd", 150)])
 def test_fuzz_cases_rebuilt_side_by_side(corpus, tmp_path, kind, cases, monkeypatch):
-    """The same mutated sections through apply's other path: every (tiny) tensor rebuilt on a
-    worker thread of its own beside the others (Codec.decode_alone; apply._SideBySide)."""
+    """The same kind of mutated sections through apply's other path: every (tiny) tensor rebuilt on
+    a worker thread of its own beside the others (Codec.decode_alone; apply._SideBySide)."""
     monkeypatch.setenv("PULSEDIFF_THREADS", "2")
-    before = fc.snapshot(corpus.root)
-    findings, verdicts = [], {}
-    for seed in range(cases):
-        o = fc.run_case(kind, 10_000 + seed, corpus, tmp_path)
-        verdicts[o.verdict] = verdicts.get(o.verdict, 0) + 1
-        if o.finding:
-            findings.append(f"{kind} {seed}: {o.verdict}: {o.detail}")
-    assert not findings, "\n".join(findings)
-    assert fc.snapshot(corpus.root) == before
+    verdicts = run_cases(kind, range(10_000, 10_000 + cases), corpus, tmp_path)
     assert verdicts.get("refused") and verdicts.get("accepted"), verdicts
 
 
