@@ -269,9 +269,10 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
     final = final_link.header
     layout_blob = read_layout(final_link.reader, final, sequential=False)
     scratch = Scratch()
+    link_scratch = [Scratch() for _ in links]  # each link's windows, kept from tensor to tensor
 
-    def target_bits(rec: TensorRecord) -> "Rebuild":
-        return chain_rebuild(rec.name, links, view, backend)
+    def target_bits(rec: TensorRecord) -> "Windows | Rebuild":
+        return chain_windows(chain_rebuild(rec.name, links, view, backend), link_scratch)
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
     _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend)
@@ -322,6 +323,45 @@ def chain_rebuild(name: str, links: list[_Link], view: TensorView, backend) -> R
         payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
         steps.append((rec, payload, link.reader.source))
     return Rebuild(steps[-1][0].numel if steps else bits.size, steps, bits, backend)
+
+
+def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | Rebuild":
+    """A tensor larger than a window, carried from the base through links that each patch it with
+    a windowed codec or keep it, as windows: every link rebuilds each window of the one before
+    while it is in the cache, and memory stays at two windows per link instead of the whole
+    tensor (and its decoded entries). Each link's hash is checked once its last window has gone
+    through. Anything else: the Rebuild as it is."""
+    base, steps = rebuild.base_bits, rebuild.steps
+    if rebuild.numel <= WINDOW_ELEMENTS or base is None or not steps or len(steps) > len(link_scratch):
+        return rebuild
+    for rec, payload, _ in steps:
+        if (rec.numel, rec.dtype.itemsize) != (base.size, base.dtype.itemsize):
+            return rebuild  # the Rebuild refuses it with the error that fits
+        if not (rec.op == "same" and payload is None
+                or rec.op == "patch" and hasattr(get_codec(rec.section.codec), "decode_stream")):
+            return rebuild
+    parts = (base[lo:lo + WINDOW_ELEMENTS] for lo in range(0, base.size, WINDOW_ELEMENTS))
+    for k, (rec, payload, source) in enumerate(steps):
+        if rec.op == "patch":
+            ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
+            parts = get_codec(rec.section.codec).decode_stream(parts, payload, rec.section.params, ctx,
+                                                               rebuild.backend, link_scratch[k])
+        if k < len(steps) - 1:
+            parts = _hash_checked(parts, rec, source)
+    last, _, source = steps[-1]
+    return Windows(last, source, parts)  # the writer checks the last link's hash
+
+
+def _hash_checked(parts, rec: TensorRecord, source: str):
+    """The windows as they are, and once the last has gone by, the check of the tensor's hash."""
+    import xxhash
+
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        hasher.update(part)
+        yield part
+    if hasher.hexdigest() != rec.target_hash:
+        raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
 
 
 # -- base checks --------------------------------------------------------------

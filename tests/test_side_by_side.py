@@ -9,6 +9,7 @@ one rebuild must leave no output and no rebuild still running.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -119,3 +120,45 @@ def test_ctx_rans_decode_alone_matches_decode(name, dtype, density):
     assert np.array_equal(codec.decode_alone(scratch.take(n, in_place.dtype), payload, enc.params, ctx, cpu, scratch),
                           target)
 
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_chain_rebuilds_large_tensors_window_by_window(tmp_path, monkeypatch, threads):
+    """Tensors above the window go through every link window by window (apply.chain_windows):
+    the output is the target's bytes, and the links' windows, not whole tensors, are in memory."""
+    monkeypatch.setenv("PULSEDIFF_THREADS", threads)
+    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 700)
+    rng = np.random.default_rng(6)
+    states = many_tensors(rng, 3)
+    states[2] = {**states[2], "w5": states[1]["w5"]}  # a link that keeps a large tensor as it is ("same")
+    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(states)]
+    patches = []
+    for k in range(3):
+        patches.append(tmp_path / f"p{k}.pulsediff")
+        make_patch(paths[k], paths[k + 1], patches[-1], device="cpu")
+    seen = []
+    real = apply_mod.chain_windows
+    monkeypatch.setattr(apply_mod, "chain_windows", lambda *a: seen.append(r := real(*a)) or r)
+    out = tmp_path / "out.safetensors"
+    apply_chain(paths[0], patches, out, device="cpu")
+    assert out.read_bytes() == paths[-1].read_bytes()
+    assert sum(isinstance(r, apply_mod.Windows) for r in seen) >= 4  # w1, w5, w6, w9 at least
+
+
+def test_a_chain_link_that_rebuilds_to_another_hash_is_refused_window_by_window(tmp_path, monkeypatch):
+    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 700)
+    rng = np.random.default_rng(7)
+    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 2))]
+    patches = [tmp_path / "p0.pulsediff", tmp_path / "p1.pulsediff"]
+    for k in range(2):
+        make_patch(paths[k], paths[k + 1], patches[k], device="cpu")
+    real = apply_mod._hash_checked
+
+    def wrong_hash(parts, rec, source):
+        return real(parts, dataclasses.replace(rec, target_hash="0" * 32), source)
+
+    monkeypatch.setattr(apply_mod, "_hash_checked", wrong_hash)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CorruptPatchError, match="does not rebuild to its recorded hash"):
+        apply_chain(paths[0], patches, out, device="cpu")
+    assert not out.exists()

@@ -356,20 +356,32 @@ class CtxRans(Codec):
         `scratch.alternate`: one stays valid while the next is made. The
         class-size and count checks run before the last window is yielded.
         """
+        return self.decode_stream((base[lo:lo + window] for lo in range(0, base.size, window)), payload, params,
+                                  ctx, kernels, scratch)
+
+    def decode_stream(self, parts, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
+        """decode_windows with the base's windows taken from an iterator (in a chain, the previous
+        link's windows); they must add up to the tensor's ctx.numel elements."""
         entries, _ = _decode_entries(payload, params, ctx, scratch)
         seen = np.zeros(entries.mask + 1, np.int64)  # class sizes of the windows so far
         offsets, ranks, deltas = kernels.resident(entries.offsets, entries.ranks, entries.deltas)  # once per tensor
-        applied = 0
-        for lo in range(0, base.size, window):
-            part = base[lo:lo + window]
-            out = scratch.alternate(part.size, base.dtype, "window")
+        applied = done = 0
+        for part in parts:
+            done += part.size
+            if done > ctx.numel:
+                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: the base has more than its "
+                                                    f"{ctx.numel} elements")
+            out = scratch.alternate(part.size, part.dtype, "window")
             applied += kernels.ranked_window(part, entries.shift, entries.mask, seen, offsets, ranks, deltas, out)
-            if lo + window >= base.size:
+            if done == ctx.numel:
                 entries.check_classes(seen, ctx)
                 if applied != entries.count:
                     raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
             yield out
-        if base.size == 0 and entries.count:
+        if done != ctx.numel:
+            raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: the base has {done} elements, "
+                                                f"not {ctx.numel}")
+        if done == 0 and entries.count:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
 
     def value_deltas(self, payload, params, ctx: SectionContext) -> np.ndarray:
