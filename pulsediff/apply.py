@@ -328,11 +328,17 @@ def chain_rebuild(name: str, links: list[_Link], view: TensorView, backend) -> R
 def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | Rebuild":
     """A tensor larger than a window, carried from the base through links that each patch it with
     a windowed codec or keep it, as windows: every link rebuilds each window of the one before
-    while it is in the cache, and memory stays at two windows per link instead of the whole
-    tensor (and its decoded entries). Each link's hash is checked once its last window has gone
-    through. Anything else: the Rebuild as it is."""
+    while it is in the cache, and memory holds two windows per link instead of the whole tensor.
+    Each link's hash is checked once its last window has gone through. Anything else, or a chain
+    so long that the windowed way would hold more: the Rebuild as it is."""
     base, steps = rebuild.base_bits, rebuild.steps
     if rebuild.numel <= WINDOW_ELEMENTS or base is None or not steps or len(steps) > len(link_scratch):
+        return rebuild
+    # Windows hold every link's two windows and decoded entries (~9 bytes per change) at once, the
+    # whole-tensor way one tensor and one link's entries: a long chain is cheaper whole.
+    entry_bytes = [9 * rec.changed for rec, _, _ in steps]
+    if (sum(entry_bytes) + len(steps) * 2 * WINDOW_ELEMENTS * base.itemsize
+            >= rebuild.numel * base.itemsize + max(entry_bytes)):
         return rebuild
     for rec, payload, _ in steps:
         if (rec.numel, rec.dtype.itemsize) != (base.size, base.dtype.itemsize):
