@@ -359,15 +359,13 @@ def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | R
 
 
 def _hash_checked(parts, rec: TensorRecord, source: str):
-    """The windows as they are, and once the last has gone by, the check of the tensor's hash."""
-    import xxhash
-
-    hasher = xxhash.xxh3_128()
+    """The windows as they are, and once the last has gone by, the check of the tensor's hash
+    (the one the writer makes of the last link's windows: Windows.check)."""
+    windows = Windows(rec, source, parts)
     for part in parts:
-        hasher.update(part)
+        windows.hasher.update(part)
         yield part
-    if hasher.hexdigest() != rec.target_hash:
-        raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
+    windows.check()
 
 
 # -- base checks --------------------------------------------------------------

@@ -46,6 +46,22 @@ def many_tensors(rng, steps: int, densities=(0.2, 0.03)):
     return states
 
 
+def chain_of(tmp_path, states) -> tuple[list, list]:
+    """The states saved as checkpoints, and a patch from each to the next."""
+    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(states)]
+    patches = [tmp_path / f"p{k}.pulsediff" for k in range(len(states) - 1)]
+    for k, patch in enumerate(patches):
+        make_patch(paths[k], paths[k + 1], patch, device="cpu")
+    return paths, patches
+
+
+def chain_windows_results(monkeypatch) -> list:
+    """What apply.chain_windows returns from now on, tensor by tensor (Windows or Rebuild)."""
+    seen, real = [], apply_mod.chain_windows
+    monkeypatch.setattr(apply_mod, "chain_windows", lambda *a: seen.append(r := real(*a)) or r)
+    return seen
+
+
 @pytest.mark.parametrize("codec", ["ctx-rans", "gap-zstd"])
 def test_side_by_side_apply_writes_the_target(tmp_path, three_threads, codec):
     rng = np.random.default_rng(3)
@@ -59,12 +75,7 @@ def test_side_by_side_apply_writes_the_target(tmp_path, three_threads, codec):
 
 def test_side_by_side_chain_writes_the_target(tmp_path, three_threads):
     """A chain (random access): each tensor carried through every link on one worker thread."""
-    rng = np.random.default_rng(4)
-    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 3))]
-    patches = []
-    for k in range(3):
-        patches.append(tmp_path / f"p{k}.pulsediff")
-        make_patch(paths[k], paths[k + 1], patches[-1], device="cpu")
+    paths, patches = chain_of(tmp_path, many_tensors(np.random.default_rng(4), 3))
     out = tmp_path / "out.safetensors"
     apply_chain(paths[0], patches, out, device="cpu")
     assert out.read_bytes() == paths[-1].read_bytes()
@@ -132,14 +143,8 @@ def test_a_chain_rebuilds_large_tensors_window_by_window(tmp_path, monkeypatch, 
     rng = np.random.default_rng(6)
     states = many_tensors(rng, 3, densities=(0.02,))  # sparse links: the windowed way holds less
     states[2] = {**states[2], "w5": states[1]["w5"]}  # a link that keeps a large tensor as it is ("same")
-    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(states)]
-    patches = []
-    for k in range(3):
-        patches.append(tmp_path / f"p{k}.pulsediff")
-        make_patch(paths[k], paths[k + 1], patches[-1], device="cpu")
-    seen = []
-    real = apply_mod.chain_windows
-    monkeypatch.setattr(apply_mod, "chain_windows", lambda *a: seen.append(r := real(*a)) or r)
+    paths, patches = chain_of(tmp_path, states)
+    seen = chain_windows_results(monkeypatch)
     out = tmp_path / "out.safetensors"
     apply_chain(paths[0], patches, out, device="cpu")
     assert out.read_bytes() == paths[-1].read_bytes()
@@ -148,11 +153,7 @@ def test_a_chain_rebuilds_large_tensors_window_by_window(tmp_path, monkeypatch, 
 
 def test_a_chain_link_that_rebuilds_to_another_hash_is_refused_window_by_window(tmp_path, monkeypatch):
     monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 300)
-    rng = np.random.default_rng(7)
-    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 2, densities=(0.02,)))]
-    patches = [tmp_path / "p0.pulsediff", tmp_path / "p1.pulsediff"]
-    for k in range(2):
-        make_patch(paths[k], paths[k + 1], patches[k], device="cpu")
+    paths, patches = chain_of(tmp_path, many_tensors(np.random.default_rng(7), 2, densities=(0.02,)))
     real = apply_mod._hash_checked
 
     def wrong_hash(parts, rec, source):
@@ -169,14 +170,8 @@ def test_a_long_dense_chain_keeps_its_tensors_whole(tmp_path, monkeypatch):
     """Windows hold every link's windows and entries at once: where that is more than the whole
     tensor and one link's entries, the chain rebuilds the tensor whole (and still right)."""
     monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 300)
-    rng = np.random.default_rng(8)
-    paths = [save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 4, (0.3,)))]
-    patches = [tmp_path / f"p{k}.pulsediff" for k in range(4)]
-    for k in range(4):
-        make_patch(paths[k], paths[k + 1], patches[k], device="cpu")
-    seen = []
-    real = apply_mod.chain_windows
-    monkeypatch.setattr(apply_mod, "chain_windows", lambda *a: seen.append(r := real(*a)) or r)
+    paths, patches = chain_of(tmp_path, many_tensors(np.random.default_rng(8), 4, (0.3,)))
+    seen = chain_windows_results(monkeypatch)
     out = tmp_path / "out.safetensors"
     apply_chain(paths[0], patches, out, device="cpu")
     assert out.read_bytes() == paths[-1].read_bytes()
