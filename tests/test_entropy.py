@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pulsediff.codecs import entropy
 from pulsediff.kernels import cpu
 
-from reference import apply_ranked_ref, class_ranks_ref, diff_ranks_ref
+from reference import apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, diff_ranks_ref
 
 
 # -- references -------------------------------------------------------------------
@@ -396,3 +396,69 @@ def test_ctx_rans_refuses_a_class_field_outside_the_element(dtype, name, shift, 
     hostile = dict(enc.params, class_shift=shift, class_bits=bits)
     with pytest.raises(CorruptPatchError, match="class field"):
         codec.decode(base, payload, hostile, ctx, cpu, Scratch())
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_apply_ranked_lanes_match_reference(seed):
+    """The walk keeps 15 classes' countdowns in byte lanes of two words and sends the other
+    classes the exact way: more than 15 classes with entries, runs of one class much longer
+    than a lane's clamp (127) between its entries, classes that run out of entries, ranks
+    past their class, ranges that start anywhere (their class counts before them given),
+    into a buffer and in place: bit for bit the reference."""
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 40_000))
+    shift, mask = 3, 63
+    # classes drawn from a skewed distribution over ~30 of the 64, some runs of one class
+    cls = np.minimum(rng.geometric(0.12, n), mask).astype(np.uint16)
+    if seed % 2:
+        starts_at = rng.integers(0, n, 5)
+        for s in starts_at:
+            cls[s:s + int(rng.integers(200, 3000))] = cls[s]
+    base = (cls << shift) | rng.integers(0, 1 << shift, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
+    density = float(rng.choice([0.0, 0.002, 0.02, 0.3, 1.0]))
+    positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    classes = (base[positions].astype(np.int64) >> shift) & mask
+    ranks, _ = class_ranks_ref(base, shift, mask, positions)
+    order = np.argsort(classes, kind="stable")
+    offsets = np.zeros(mask + 2, np.int64)
+    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
+    ranks = ranks[order]
+    if ranks.size and seed % 4 == 1:  # a rank past its class
+        k = int(rng.choice(np.flatnonzero(np.diff(offsets))))
+        ranks[offsets[k + 1] - 1] = n + 5
+    deltas = rng.integers(0, 1 << 16, positions.size).astype(np.uint16)
+    want, want_applied = apply_ranked_ref(base, shift, mask, offsets, ranks, deltas)
+    rows = int(rng.integers(1, 8))
+    starts, _ = chunk_class_starts_ref(base, shift, mask, rows)
+    out = np.full_like(base, 0xA5A5)
+    assert cpu.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) == want_applied
+    np.testing.assert_array_equal(out, want)
+    in_place = base.copy()
+    assert cpu.apply_ranked(in_place, shift, mask, starts, offsets, ranks, deltas, in_place) == want_applied
+    np.testing.assert_array_equal(in_place, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_apply_ranked_refuses_ranks_that_do_not_rise(seed):
+    """A damaged section whose ranks stop rising inside a class (behind a valid checksum): the
+    walk applies fewer entries than it was given, which is how apply knows to refuse it,
+    whichever way (lane or exact) the class is counted."""
+    rng = np.random.default_rng(2000 + seed)
+    n = 20_000
+    shift, mask = 3, 63
+    base = (np.minimum(rng.geometric(0.12, n), mask).astype(np.uint16) << shift)
+    positions = np.flatnonzero(rng.random(n) < 0.05).astype(np.int64)
+    classes = (base[positions].astype(np.int64) >> shift) & mask
+    ranks, _ = class_ranks_ref(base, shift, mask, positions)
+    order = np.argsort(classes, kind="stable")
+    offsets = np.zeros(mask + 2, np.int64)
+    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
+    ranks = ranks[order]
+    sizes = np.diff(offsets)
+    k = int(np.flatnonzero(sizes >= 3)[-1] if seed % 2 else np.argmax(sizes))  # a rare class, or the largest
+    e = int(offsets[k]) + int(rng.integers(1, sizes[k]))
+    ranks[e] = ranks[e - 1] - int(rng.integers(0, 2))  # equal to, or below, the one before
+    deltas = np.ones(positions.size, np.uint16)
+    starts, _ = chunk_class_starts_ref(base, shift, mask, 3)
+    out = np.empty_like(base)
+    assert cpu.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) < positions.size

@@ -368,15 +368,36 @@ def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
 
 # The ranked apply walks each range with a countdown per class: how many more
 # elements of that class to pass before the next listed one (_NEVER once the
-# class has none left), so an element costs one load, decrement and store, and
-# a listed element is the one whose countdown reads 0. Neighbouring weights
-# mostly share an exponent, so one element at a time would be a chain of
-# store-to-load forwards on the same counter; a group of four loads its
-# countdowns together and corrects them for same-class neighbours inside the
-# group, one link of that chain per four elements (measured 1.2x faster than
-# four ranges in lockstep, the walk before it, and 1.6x faster than one element
-# at a time).
+# class has none left); a listed element is the one whose countdown reads 0.
+#
+# Countdowns live in registers, not in a table: 16 byte lanes in two 64-bit
+# words. Lanes 0-14 hold the countdowns of the 15 classes with entries that
+# have the most elements (a listed class's last rank estimates its size), as
+# 0x80 | min(countdown, 127); an element subtracts its class's lane bit
+# (`lane_bits`, two words per class; 0 for classes with nothing listed), so
+# four elements cost four table loads and eight subtractions, and the step is
+# a chain of register subtractions instead of store-to-load forwards on a
+# counter in memory. A group of four whose lanes all keep their 0x80 guard bit
+# has no listed element and is done (92% of groups at 2% density). A cleared
+# guard means some element read 0: the group is redone one element at a time
+# from the words before it. There a hot lane at 0 is either its listed element
+# (its full countdown, `full[lane]`, was within the clamp) or the clamp running
+# out (the lane restarts from the full countdown less what it counted). Lane 15
+# stays at 0x80 and its bit goes to the other classes with entries, so each of
+# their elements takes the exact way: its countdown in `down`, as before.
+# Measured on a 131M-element BF16 tensor, 2% changed, one thread: 1.44 ns per
+# element against 2.0 for the walk before (countdowns in a table, four lanes of
+# them corrected for same-class neighbours).
 _NEVER = 1 << 62
+_HOT_LANES = 15
+_SHARED_LANE = 15  # the classes with entries that have no lane of their own
+_NO_LANE = 16  # the classes with nothing (left) to list
+_GUARDS = np.uint64(0x8080808080808080)
+_U1 = np.uint64(1)
+_U2 = np.uint64(2)
+_U3 = np.uint64(3)
+_GUARD = np.uint64(0x80)
+_BYTE = np.uint64(0xFF)
 
 
 @njit(cache=True, nogil=True)
@@ -394,20 +415,37 @@ def _class_countdowns(counter, class_offsets, ranks, ncls):
     return ptr, down
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _lane_byte(countdown):
+    # A damaged patch's ranks that do not rise leave a negative countdown, which must never
+    # read 0: it gets the clamp, and every restart keeps it negative.
+    return np.uint64(countdown if 0 <= countdown < 127 else 127)
+
+
 @njit(cache=True, nogil=True)
-def _take_listed(v, i, k, ptr, down, class_offsets, ranks, deltas, out):
-    # Element i (bits v, class k) is the next listed one of its class: write base +
-    # delta and count down to the class's next listed entry. Rare (~1 element in
-    # 50), so a call of its own costs nothing that matters. Ranks that do not rise
-    # (a damaged patch) leave a negative countdown, which never reads 0: those
-    # entries stay unapplied, and the caller's count of applied entries says so.
-    p = ptr[k]
-    z = np.uint64(deltas[p])
-    r = ranks[p]
-    p += 1
-    ptr[k] = p
-    down[k] = ranks[p] - r - 1 if p < class_offsets[k + 1] else _NEVER
-    out[i] = v + ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1))))  # un-zigzag; wraps mod 2**width
+def _assign_lanes(ptr, down, class_offsets, ranks, ncls):
+    """(lane of each class, its subtrahends in the two words, the lanes' full countdowns, the
+    two words)."""
+    lane = np.full(ncls, _NO_LANE, np.int64)
+    listed = np.flatnonzero(ptr < class_offsets[1:])
+    size = np.empty(listed.size, np.int64)
+    for m in range(listed.size):
+        lane[listed[m]] = _SHARED_LANE
+        size[m] = ranks[class_offsets[listed[m] + 1] - 1]  # a lower bound of the class's size
+    full = np.full(_HOT_LANES, _NEVER, np.int64)
+    words = np.zeros(2, np.uint64)
+    words[1] = _GUARD << np.uint64(56)  # the shared lane, at 0 for good
+    hot = listed[np.argsort(-size)[:_HOT_LANES]]
+    for h in range(hot.size):
+        lane[hot[h]] = h
+        full[h] = down[hot[h]]
+    for h in range(_HOT_LANES):
+        words[h >> 3] |= (_GUARD | _lane_byte(full[h])) << np.uint64(8 * (h & 7))
+    lane_bits = np.zeros(2 * ncls, np.uint64)
+    for k in listed:
+        h = lane[k]
+        lane_bits[2 * k + (h >> 3)] = _U1 << np.uint64(8 * (h & 7))
+    return lane, lane_bits, full, words[0], words[1]
 
 
 @njit(cache=True, nogil=True)
@@ -415,63 +453,91 @@ def _apply_ranked_range(base, lo, hi, shift, mask, counter, class_offsets, ranks
     # Into another buffer, every element of `out` is written (the copy of the base
     # rides along with the walk instead of being a pass of its own); in place, only
     # the changed ones (rewriting the rest would double the memory traffic).
+    # Indices are unsigned where it matters: a signed one costs a negative-index
+    # wraparound select per access (1.5 against 2.0 ns per element overall).
     ptr, down = _class_countdowns(counter, class_offsets, ranks, mask + 1)
+    lane, lane_bits, full, w0, w1 = _assign_lanes(ptr, down, class_offsets, ranks, mask + 1)
     done = 0
     i = lo
-    while i + 4 <= hi:
-        v0, v1, v2, v3 = base[i], base[i + 1], base[i + 2], base[i + 3]
-        k0 = (np.int64(v0) >> shift) & mask
-        k1 = (np.int64(v1) >> shift) & mask
-        k2 = (np.int64(v2) >> shift) & mask
-        k3 = (np.int64(v3) >> shift) & mask
-        e0 = down[k0]
-        e1 = down[k1] - (k1 == k0)
-        e2 = down[k2] - (k2 == k0) - (k2 == k1)
-        e3 = down[k3] - (k3 == k0) - (k3 == k1) - (k3 == k2)
-        down[k0] = e0 - 1  # same-class stores land in order: the last one holds the group's count
-        down[k1] = e1 - 1
-        down[k2] = e2 - 1
-        down[k3] = e3 - 1
-        if not in_place:
-            out[i] = v0
-            out[i + 1] = v1
-            out[i + 2] = v2
-            out[i + 3] = v3
-        if (e0 == 0) | (e1 == 0) | (e2 == 0) | (e3 == 0):
-            # Rare: restore the countdowns from before the group and take it one element
-            # at a time. In reverse order, the value a class gets last is the one its
-            # first element in the group saw, which no neighbour had corrected.
-            down[k3] = e3
-            down[k2] = e2
-            down[k1] = e1
-            down[k0] = e0
-            for j in range(i, i + 4):  # written out: a call here measured 1.4x slower overall
-                v = base[j]
-                k = (np.int64(v) >> shift) & mask
+    while i < hi:
+        end = i + 4
+        if end <= hi:
+            u = np.uint64(i)
+            v0, v1, v2, v3 = base[u], base[u + _U1], base[u + _U2], base[u + _U3]
+            k0 = _U2 * np.uint64((np.int64(v0) >> shift) & mask)
+            k1 = _U2 * np.uint64((np.int64(v1) >> shift) & mask)
+            k2 = _U2 * np.uint64((np.int64(v2) >> shift) & mask)
+            k3 = _U2 * np.uint64((np.int64(v3) >> shift) & mask)
+            n0 = w0 - lane_bits[k0] - lane_bits[k1] - lane_bits[k2] - lane_bits[k3]
+            n1 = w1 - lane_bits[k0 + _U1] - lane_bits[k1 + _U1] - lane_bits[k2 + _U1] - lane_bits[k3 + _U1]
+            if not in_place:
+                out[u] = v0
+                out[u + _U1] = v1
+                out[u + _U2] = v2
+                out[u + _U3] = v3
+            if (n0 & n1 & _GUARDS) == _GUARDS:
+                w0 = n0
+                w1 = n1
+                i = end
+                continue
+        else:
+            end = hi  # the last one to three elements take the exact way
+        # Element by element, written out here: a call per element would cost the reference
+        # counts of its array arguments (measured 3x slower overall).
+        for j in range(i, end):
+            uj = np.uint64(j)
+            v = base[uj]
+            if not in_place:
+                out[uj] = v
+            k = np.uint64((np.int64(v) >> shift) & mask)
+            h = lane[k]
+            if h == _NO_LANE:
+                continue
+            n0 = w0 - lane_bits[_U2 * k]
+            n1 = w1 - lane_bits[_U2 * k + _U1]
+            at = np.uint64(8 * (h & 7))
+            if ((n0 if h < 8 else n1) >> at) & _GUARD:  # its lane did not read 0
+                w0 = n0
+                w1 = n1
+                continue
+            if h == _SHARED_LANE:
                 e = down[k]
                 down[k] = e - 1
-                if e == 0:
-                    _take_listed(v, j, k, ptr, down, class_offsets, ranks, deltas, out)
-                    done += 1
-        i += 4
-    if not in_place:
-        for j in range(i, hi):
-            out[j] = base[j]
-    return done + _walk_elements(base, i, hi, shift, mask, ptr, down, class_offsets, ranks, deltas, out)
-
-
-@njit(cache=True, nogil=True)
-def _walk_elements(base, lo, hi, shift, mask, ptr, down, class_offsets, ranks, deltas, out):
-    # [lo, hi) one element at a time (its copy into `out`, if any, already made).
-    done = 0
-    for i in range(lo, hi):
-        v = base[i]
-        k = (np.int64(v) >> shift) & mask
-        e = down[k]
-        down[k] = e - 1
-        if e == 0:
-            _take_listed(v, i, k, ptr, down, class_offsets, ranks, deltas, out)
+                if e != 0:
+                    continue
+            else:
+                left = full[h] - np.int64(_lane_byte(full[h]))  # the lane reads 0: what the clamp hid
+                if left != 0:
+                    full[h] = left - 1  # the clamp ran out: restart the lane past this element
+                    restart = (_GUARD | _lane_byte(left - 1)) << at
+                    if h < 8:
+                        w0 = (w0 & ~(_BYTE << at)) | restart
+                    else:
+                        w1 = (w1 & ~(_BYTE << at)) | restart
+                    continue
+            # element j is the listed one of its class: write base + delta, count down to the next
+            p = ptr[k]
+            z = np.uint64(deltas[p])
+            r = ranks[p]
+            p += 1
+            ptr[k] = p
+            nxt = ranks[p] - r - 1 if p < class_offsets[k + _U1] else _NEVER
+            out[uj] = v + ((z >> _U1) ^ (np.uint64(0) - (z & _U1)))  # un-zigzag; wraps mod 2**width
             done += 1
+            if h == _SHARED_LANE:
+                down[k] = nxt
+                continue
+            full[h] = nxt
+            if nxt == _NEVER:  # nothing left in the class: it stops counting
+                lane[k] = _NO_LANE
+                lane_bits[_U2 * k] = 0
+                lane_bits[_U2 * k + _U1] = 0
+            restart = (_GUARD | _lane_byte(nxt)) << at
+            if h < 8:
+                w0 = (w0 & ~(_BYTE << at)) | restart
+            else:
+                w1 = (w1 & ~(_BYTE << at)) | restart
+        i = end
     return done
 
 
