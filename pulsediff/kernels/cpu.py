@@ -32,6 +32,11 @@ _MAX_CHUNK = 1 << 24
 # Per-range output buffers hold 1/_SLOT_FRACTION of the range: 3% density (RL
 # steps are ~1%) before a range needs its second read.
 _SLOT_FRACTION = 32
+# Unsigned index steps: Numba turns a signed index into a select for negative ones, which
+# costs the four-element loops below up to a third of their time.
+_U1 = np.uint64(1)
+_U2 = np.uint64(2)
+_U3 = np.uint64(3)
 
 
 def chunk_count(n: int) -> int:
@@ -188,10 +193,11 @@ def _class_histogram_range(base, lo, hi, shift, mask, hist):
     s3 = np.zeros(ncls, np.int64)
     i = lo
     while i + 4 <= hi:
-        c0 = (np.int64(base[i]) >> shift) & mask
-        c1 = (np.int64(base[i + 1]) >> shift) & mask
-        c2 = (np.int64(base[i + 2]) >> shift) & mask
-        c3 = (np.int64(base[i + 3]) >> shift) & mask
+        u = np.uint64(i)  # unsigned indices: no negative-index selects (0.62 -> 0.39 ns per element)
+        c0 = np.uint64((np.int64(base[u]) >> shift) & mask)
+        c1 = np.uint64((np.int64(base[u + _U1]) >> shift) & mask)
+        c2 = np.uint64((np.int64(base[u + _U2]) >> shift) & mask)
+        c3 = np.uint64((np.int64(base[u + _U3]) >> shift) & mask)
         s0[c0] += 1
         s1[c1] += 1
         s2[c2] += 1
@@ -279,12 +285,13 @@ def _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, his
     k = 0
     i = lo
     while i + 4 <= hi:
-        a0, a1, a2, a3 = old[i], old[i + 1], old[i + 2], old[i + 3]
-        x = (a0 ^ new[i]) | (a1 ^ new[i + 1]) | (a2 ^ new[i + 2]) | (a3 ^ new[i + 3])
-        c0 = (np.int64(a0) >> shift) & mask
-        c1 = (np.int64(a1) >> shift) & mask
-        c2 = (np.int64(a2) >> shift) & mask
-        c3 = (np.int64(a3) >> shift) & mask
+        u = np.uint64(i)
+        a0, a1, a2, a3 = old[u], old[u + _U1], old[u + _U2], old[u + _U3]
+        x = (a0 ^ new[u]) | (a1 ^ new[u + _U1]) | (a2 ^ new[u + _U2]) | (a3 ^ new[u + _U3])
+        c0 = np.uint64((np.int64(a0) >> shift) & mask)
+        c1 = np.uint64((np.int64(a1) >> shift) & mask)
+        c2 = np.uint64((np.int64(a2) >> shift) & mask)
+        c3 = np.uint64((np.int64(a3) >> shift) & mask)
         if x == 0:
             s0[c0] += 1
             s1[c1] += 1
@@ -393,9 +400,6 @@ _HOT_LANES = 15
 _SHARED_LANE = 15  # the classes with entries that have no lane of their own
 _NO_LANE = 16  # the classes with nothing (left) to list
 _GUARDS = np.uint64(0x8080808080808080)
-_U1 = np.uint64(1)
-_U2 = np.uint64(2)
-_U3 = np.uint64(3)
 _GUARD = np.uint64(0x80)
 _BYTE = np.uint64(0xFF)
 
