@@ -398,6 +398,15 @@ def test_ctx_rans_refuses_a_class_field_outside_the_element(dtype, name, shift, 
         codec.decode(base, payload, hostile, ctx, cpu, Scratch())
 
 
+def class_major_entries(base, shift, mask, positions):
+    """(class offsets, ranks) of the changed positions, listed class by class as ctx-rans lists them."""
+    classes = (base[positions].astype(np.int64) >> shift) & mask
+    ranks, _ = class_ranks_ref(base, shift, mask, positions)
+    offsets = np.zeros(mask + 2, np.int64)
+    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
+    return offsets, ranks[np.argsort(classes, kind="stable")]
+
+
 @pytest.mark.parametrize("seed", range(16))
 def test_apply_ranked_lanes_match_reference(seed):
     """The walk keeps 15 classes' countdowns in byte lanes of two words and sends the other
@@ -417,12 +426,7 @@ def test_apply_ranked_lanes_match_reference(seed):
     base = (cls << shift) | rng.integers(0, 1 << shift, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
     density = float(rng.choice([0.0, 0.002, 0.02, 0.3, 1.0]))
     positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
-    classes = (base[positions].astype(np.int64) >> shift) & mask
-    ranks, _ = class_ranks_ref(base, shift, mask, positions)
-    order = np.argsort(classes, kind="stable")
-    offsets = np.zeros(mask + 2, np.int64)
-    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
-    ranks = ranks[order]
+    offsets, ranks = class_major_entries(base, shift, mask, positions)
     if ranks.size and seed % 4 == 1:  # a rank past its class
         k = int(rng.choice(np.flatnonzero(np.diff(offsets))))
         ranks[offsets[k + 1] - 1] = n + 5
@@ -448,12 +452,7 @@ def test_apply_ranked_refuses_ranks_that_do_not_rise(seed):
     shift, mask = 3, 63
     base = (np.minimum(rng.geometric(0.12, n), mask).astype(np.uint16) << shift)
     positions = np.flatnonzero(rng.random(n) < 0.05).astype(np.int64)
-    classes = (base[positions].astype(np.int64) >> shift) & mask
-    ranks, _ = class_ranks_ref(base, shift, mask, positions)
-    order = np.argsort(classes, kind="stable")
-    offsets = np.zeros(mask + 2, np.int64)
-    np.cumsum(np.bincount(classes, minlength=mask + 1), out=offsets[1:])
-    ranks = ranks[order]
+    offsets, ranks = class_major_entries(base, shift, mask, positions)
     sizes = np.diff(offsets)
     k = int(np.flatnonzero(sizes >= 3)[-1] if seed % 2 else np.argmax(sizes))  # a rare class, or the largest
     e = int(offsets[k]) + int(rng.integers(1, sizes[k]))
