@@ -412,8 +412,9 @@ def test_apply_ranked_lanes_match_reference(seed):
     """The walk keeps 15 classes' countdowns in byte lanes of two words and sends the other
     classes the exact way: more than 15 classes with entries, runs of one class much longer
     than a lane's clamp (127) between its entries, classes that run out of entries, ranks
-    past their class, ranges that start anywhere (their class counts before them given),
-    into a buffer and in place: bit for bit the reference."""
+    past their class, dense stretches (walked element by element) between sparse ones,
+    ranges that start anywhere (their class counts before them given), into a buffer and in
+    place: bit for bit the reference."""
     rng = np.random.default_rng(1000 + seed)
     n = int(rng.integers(1, 40_000))
     shift, mask = 3, 63
@@ -425,6 +426,8 @@ def test_apply_ranked_lanes_match_reference(seed):
             cls[s:s + int(rng.integers(200, 3000))] = cls[s]
     base = (cls << shift) | rng.integers(0, 1 << shift, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
     density = float(rng.choice([0.0, 0.002, 0.02, 0.3, 1.0]))
+    if seed % 3 == 2:  # dense and sparse stretches: the walk switches between groups and elements
+        density = np.where((np.arange(n) // 5000) % 2 == 0, 0.4, 0.01)
     positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
     offsets, ranks = class_major_entries(base, shift, mask, positions)
     if ranks.size and seed % 4 == 1:  # a rank past its class
