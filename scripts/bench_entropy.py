@@ -17,6 +17,10 @@ wall time.
           target minus the walk (timed apart), a noisier difference
   decode  Rice decoding of the ranks and rANS decoding of the values, as
           codec.decode() calls them (one after the other here)
+  walk    the ranked walk that rebuilds the tensor from them (apply's
+          kernels.apply_ranked over the whole tensor, class counts given),
+          in ns per element of the tensor: with --density 0.14, what a
+          catch-up link spanning 16 steps lists
 
 With several --src trees (e.g. an older checkout), each is run in its own
 subprocess, alternating, and the medians are printed side by side: the way
@@ -102,8 +106,18 @@ def measure(elements: int, density: float, seed: int) -> dict:
     ctx_rans._decode_values(freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx)
     decode_s = time.thread_time() - t
     assert status == entropy.OK
+    walk_s = float("nan")
+    if hasattr(ctx_rans, "_decode_entries"):  # the walk alone, on the entries as decode hands them over
+        entries, _ = ctx_rans._decode_entries(payload, enc.params, ctx, Scratch())
+        starts, _ = kernels.chunk_class_starts(base, shift, mask)
+        out = np.empty_like(base)
+        kernels.apply_ranked(base, shift, mask, starts, entries.offsets, entries.ranks, entries.deltas, out)
+        t = time.thread_time()
+        applied = kernels.apply_ranked(base, shift, mask, starts, entries.offsets, entries.ranks, entries.deltas, out)
+        walk_s = time.thread_time() - t
+        assert applied == count and (out == target).all()
     return {"values": int(positions.size), "bytes": len(payload),
-            "encode_s": max(encode_s, 1e-9), "decode_s": decode_s}
+            "encode_s": max(encode_s, 1e-9), "decode_s": decode_s, "walk_s": walk_s}
 
 
 def main() -> None:
@@ -132,13 +146,14 @@ def main() -> None:
                                   "--density", str(args.density)], env=env, capture_output=True, text=True, check=True)
             results[str(tree)].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.elements} BF16 elements, density {args.density}, one thread, medians of {args.repeats}\n")
-    print("| source | changed values | section bytes | encode M values/s | decode M values/s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| source | changed values | section bytes | encode M values/s | decode M values/s | walk ns/element |")
+    print("|---|---:|---:|---:|---:|---:|")
     for tree, runs in results.items():
         n = runs[0]["values"]
         enc = statistics.median(n / r["encode_s"] / 1e6 for r in runs)
         dec = statistics.median(n / r["decode_s"] / 1e6 for r in runs)
-        print(f"| {tree} | {n} | {runs[0]['bytes']} | {enc:.1f} | {dec:.1f} |")
+        walk = statistics.median(r.get("walk_s", float("nan")) / args.elements * 1e9 for r in runs)
+        print(f"| {tree} | {n} | {runs[0]['bytes']} | {enc:.1f} | {dec:.1f} | {walk:.2f} |")
 
 
 if __name__ == "__main__":

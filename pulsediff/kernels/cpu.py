@@ -376,33 +376,18 @@ def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
 # The ranked apply walks each range with a countdown per class: how many more
 # elements of that class to pass before the next listed one (_NEVER once the
 # class has none left); a listed element is the one whose countdown reads 0.
-#
-# Countdowns live in registers, not in a table: 16 byte lanes in two 64-bit
-# words. Lanes 0-14 hold the countdowns of the 15 classes with entries that
-# have the most elements (a listed class's last rank estimates its size), as
-# 0x80 | min(countdown, 127); an element subtracts its class's lane bit
-# (`lane_bits`, two words per class; 0 for classes with nothing listed), so
-# four elements cost four table loads and eight subtractions, and the step is
-# a chain of register subtractions instead of store-to-load forwards on a
-# counter in memory. A group of four whose lanes all keep their 0x80 guard bit
-# has no listed element and is done (92% of groups at 2% density). A cleared
-# guard means some element read 0: the group is redone one element at a time
-# from the words before it. There a hot lane at 0 is either its listed element
-# (its full countdown, `full[lane]`, was within the clamp) or the clamp running
-# out (the lane restarts from the full countdown less what it counted). Lane 15
-# stays at 0x80 and its bit goes to the other classes with entries, so each of
-# their elements takes the exact way: its countdown in `down`, as before.
-# Measured on a 131M-element BF16 tensor, 2% changed, one thread: 1.44 ns per
-# element against 2.0 for the walk before (countdowns in a table, four lanes of
-# them corrected for same-class neighbours).
+# One element at a time, with unsigned indices: Numba guards every signed index
+# with a select for negative ones, and that, not the countdowns' store-to-load
+# chain, was what the walk spent its time on. Measured on machine C (AMD EPYC),
+# one thread, 20M BF16 elements alternating in one process: 0.78-0.92 ns per
+# element at 1-2% listed against 1.82-2.17 for the walk before (groups of four
+# with their countdowns corrected for same-class neighbours, signed indices)
+# and 1.35-1.63 for countdowns in byte lanes of two registers (tried this
+# round); 2.26 against 4.53 at 14% listed. Machine A (Intel Xeon) had measured
+# the grouped walk 1.6x faster than one element at a time, both with signed
+# indices: on a CPU without fast store-to-load forwarding the chain may matter
+# again (scripts/bench_entropy.py's walk column says).
 _NEVER = 1 << 62
-_HOT_LANES = 15
-_SHARED_LANE = 15  # the classes with entries that have no lane of their own
-_NO_LANE = 16  # the classes with nothing (left) to list
-_GUARDS = np.uint64(0x8080808080808080)
-_DENSITY_BLOCK = 4096
-_GUARD = np.uint64(0x80)
-_BYTE = np.uint64(0xFF)
 
 
 @njit(cache=True, nogil=True)
@@ -420,139 +405,32 @@ def _class_countdowns(counter, class_offsets, ranks, ncls):
     return ptr, down
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _lane_byte(countdown):
-    # A damaged patch's ranks that do not rise leave a negative countdown, which must never
-    # read 0: it gets the clamp, and every restart keeps it negative.
-    return np.uint64(countdown if 0 <= countdown < 127 else 127)
-
-
-@njit(cache=True, nogil=True)
-def _assign_lanes(ptr, down, class_offsets, ranks, ncls):
-    """(lane of each class, its subtrahends in the two words, the lanes' full countdowns, the
-    two words)."""
-    lane = np.full(ncls, _NO_LANE, np.int64)
-    listed = np.flatnonzero(ptr < class_offsets[1:])
-    size = np.empty(listed.size, np.int64)
-    for m in range(listed.size):
-        lane[listed[m]] = _SHARED_LANE
-        size[m] = ranks[class_offsets[listed[m] + 1] - 1]  # a lower bound of the class's size
-    full = np.full(_HOT_LANES, _NEVER, np.int64)
-    words = np.zeros(2, np.uint64)
-    words[1] = _GUARD << np.uint64(56)  # the shared lane, at 0 for good
-    hot = listed[np.argsort(-size)[:_HOT_LANES]]
-    for h in range(hot.size):
-        lane[hot[h]] = h
-        full[h] = down[hot[h]]
-    for h in range(_HOT_LANES):
-        words[h >> 3] |= (_GUARD | _lane_byte(full[h])) << np.uint64(8 * (h & 7))
-    lane_bits = np.zeros(2 * ncls, np.uint64)
-    for k in listed:
-        h = lane[k]
-        lane_bits[2 * k + (h >> 3)] = _U1 << np.uint64(8 * (h & 7))
-    return lane, lane_bits, full, words[0], words[1]
-
-
 @njit(cache=True, nogil=True)
 def _apply_ranked_range(base, lo, hi, shift, mask, counter, class_offsets, ranks, deltas, out, in_place):
     # Into another buffer, every element of `out` is written (the copy of the base
     # rides along with the walk instead of being a pass of its own); in place, only
-    # the changed ones (rewriting the rest would double the memory traffic).
-    # Indices are unsigned where it matters: a signed one costs a negative-index
-    # wraparound select per access (1.5 against 2.0 ns per element overall).
+    # the changed ones (rewriting the rest would double the memory traffic). Ranks
+    # that do not rise (a damaged patch) leave a negative countdown, which never
+    # reads 0: those entries stay unapplied, and the caller's count says so.
     ptr, down = _class_countdowns(counter, class_offsets, ranks, mask + 1)
-    lane, lane_bits, full, w0, w1 = _assign_lanes(ptr, down, class_offsets, ranks, mask + 1)
     done = 0
-    i = lo
-    # Above ~6% listed, most groups trip and redoing them costs more than it saves: the walk
-    # takes such blocks element by element, judged from the block before (at 14% listed:
-    # 3.7 against 4.6 ns per element).
-    by_element = False
-    while i < hi:
-        block_end = min(hi, i + _DENSITY_BLOCK)
-        block_start, done_before = i, done
-        while i < block_end:
-            end = i + 4
-            if by_element:
-                end = block_end
-            elif end <= block_end:
-                u = np.uint64(i)
-                v0, v1, v2, v3 = base[u], base[u + _U1], base[u + _U2], base[u + _U3]
-                k0 = _U2 * np.uint64((np.int64(v0) >> shift) & mask)
-                k1 = _U2 * np.uint64((np.int64(v1) >> shift) & mask)
-                k2 = _U2 * np.uint64((np.int64(v2) >> shift) & mask)
-                k3 = _U2 * np.uint64((np.int64(v3) >> shift) & mask)
-                n0 = w0 - lane_bits[k0] - lane_bits[k1] - lane_bits[k2] - lane_bits[k3]
-                n1 = w1 - lane_bits[k0 + _U1] - lane_bits[k1 + _U1] - lane_bits[k2 + _U1] - lane_bits[k3 + _U1]
-                if not in_place:
-                    out[u] = v0
-                    out[u + _U1] = v1
-                    out[u + _U2] = v2
-                    out[u + _U3] = v3
-                if (n0 & n1 & _GUARDS) == _GUARDS:
-                    w0 = n0
-                    w1 = n1
-                    i = end
-                    continue
-            else:
-                end = block_end  # the last one to three elements take the exact way
-            # Element by element, written out here: a call per element would cost the reference
-            # counts of its array arguments (measured 3x slower overall).
-            for j in range(i, end):
-                uj = np.uint64(j)
-                v = base[uj]
-                if not in_place:
-                    out[uj] = v
-                k = np.uint64((np.int64(v) >> shift) & mask)
-                h = lane[k]
-                if h == _NO_LANE:
-                    continue
-                n0 = w0 - lane_bits[_U2 * k]
-                n1 = w1 - lane_bits[_U2 * k + _U1]
-                at = np.uint64(8 * (h & 7))
-                if ((n0 if h < 8 else n1) >> at) & _GUARD:  # its lane did not read 0
-                    w0 = n0
-                    w1 = n1
-                    continue
-                if h == _SHARED_LANE:
-                    e = down[k]
-                    down[k] = e - 1
-                    if e != 0:
-                        continue
-                else:
-                    left = full[h] - np.int64(_lane_byte(full[h]))  # the lane reads 0: what the clamp hid
-                    if left != 0:
-                        full[h] = left - 1  # the clamp ran out: restart the lane past this element
-                        restart = (_GUARD | _lane_byte(left - 1)) << at
-                        if h < 8:
-                            w0 = (w0 & ~(_BYTE << at)) | restart
-                        else:
-                            w1 = (w1 & ~(_BYTE << at)) | restart
-                        continue
-                # element j is the listed one of its class: write base + delta, count down to the next
-                p = ptr[k]
-                z = np.uint64(deltas[p])
-                r = ranks[p]
-                p += 1
-                ptr[k] = p
-                nxt = ranks[p] - r - 1 if p < class_offsets[k + _U1] else _NEVER
-                out[uj] = v + ((z >> _U1) ^ (np.uint64(0) - (z & _U1)))  # un-zigzag; wraps mod 2**width
-                done += 1
-                if h == _SHARED_LANE:
-                    down[k] = nxt
-                    continue
-                full[h] = nxt
-                if nxt == _NEVER:  # nothing left in the class: it stops counting
-                    lane[k] = _NO_LANE
-                    lane_bits[_U2 * k] = 0
-                    lane_bits[_U2 * k + _U1] = 0
-                restart = (_GUARD | _lane_byte(nxt)) << at
-                if h < 8:
-                    w0 = (w0 & ~(_BYTE << at)) | restart
-                else:
-                    w1 = (w1 & ~(_BYTE << at)) | restart
-            i = end
-        by_element = 16 * (done - done_before) > block_end - block_start
+    for i in range(lo, hi):
+        u = np.uint64(i)
+        v = base[u]
+        if not in_place:
+            out[u] = v
+        k = np.uint64((np.int64(v) >> shift) & mask)
+        e = down[k]
+        down[k] = e - 1
+        if e == 0:  # element i is the listed one of its class: base + delta, then the next's countdown
+            p = ptr[k]
+            z = np.uint64(deltas[p])
+            r = ranks[p]
+            p += 1
+            ptr[k] = p
+            down[k] = ranks[p] - r - 1 if p < class_offsets[k + _U1] else _NEVER
+            out[u] = v + ((z >> _U1) ^ (np.uint64(0) - (z & _U1)))  # un-zigzag; wraps mod 2**width
+            done += 1
     return done
 
 
@@ -688,7 +566,7 @@ def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, r
     ptr, down = _class_countdowns(counter, class_offsets, ranks, mask + 1)
     done = 0
     for i in range(lo, hi):
-        k = (np.int64(base[i]) >> shift) & mask
+        k = np.uint64((np.int64(base[np.uint64(i)]) >> shift) & mask)
         e = down[k]
         down[k] = e - 1
         if e == 0:
@@ -697,7 +575,7 @@ def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, r
             r = ranks[p]
             p += 1
             ptr[k] = p
-            down[k] = ranks[p] - r - 1 if p < class_offsets[k + 1] else _NEVER
+            down[k] = ranks[p] - r - 1 if p < class_offsets[k + _U1] else _NEVER
             done += 1
     return done
 
