@@ -152,9 +152,9 @@ def test_class_ranks_and_apply_ranked_match_reference(n, dtype, shift, bits):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_apply_ranked_group_walk_matches_reference(seed):
-    """The walk takes four elements per step and corrects for same-class neighbours: few
-    classes (so groups are mostly one class), every density, lengths off a multiple of four,
+def test_apply_ranked_few_classes_matches_reference(seed):
+    """Few classes, so neighbours mostly share one (each element's countdown then follows its
+    neighbour's store), every density, lengths off a multiple of four,
     ranks past their class, into a buffer and in place: bit for bit the reference."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 3000))
@@ -409,11 +409,10 @@ def class_major_entries(base, shift, mask, positions):
 
 @pytest.mark.parametrize("seed", range(16))
 def test_apply_ranked_walk_matches_reference_on_hard_cases(seed):
-    """The walk against the reference on inputs built to reach every way through it: more
-    than 15 classes with entries, runs of one class far longer than the gaps between its
-    entries, classes that run out of entries, ranks past their class, dense and sparse
-    stretches in one tensor, ranges that start anywhere (their class counts before them
-    given), into a buffer and in place: bit for bit."""
+    """The walk against the reference on hard inputs: many classes with entries, runs of one
+    class far longer than the gaps between its entries, classes that run out of entries,
+    ranks past their class, dense and sparse stretches in one tensor, ranges that start
+    anywhere (their class counts before them given), into a buffer and in place: bit for bit."""
     rng = np.random.default_rng(1000 + seed)
     n = int(rng.integers(1, 40_000))
     shift, mask = 3, 63
@@ -425,7 +424,7 @@ def test_apply_ranked_walk_matches_reference_on_hard_cases(seed):
             cls[s:s + int(rng.integers(200, 3000))] = cls[s]
     base = (cls << shift) | rng.integers(0, 1 << shift, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
     density = float(rng.choice([0.0, 0.002, 0.02, 0.3, 1.0]))
-    if seed % 3 == 2:  # dense and sparse stretches: the walk switches between groups and elements
+    if seed % 3 == 2:  # dense and sparse stretches in one tensor
         density = np.where((np.arange(n) // 5000) % 2 == 0, 0.4, 0.01)
     positions = np.flatnonzero(rng.random(n) < density).astype(np.int64)
     offsets, ranks = class_major_entries(base, shift, mask, positions)

@@ -561,8 +561,8 @@ def word_sum(data: np.ndarray) -> int:
 @njit(cache=True, nogil=True)
 def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, ranks, where):
     # The countdown walk of apply_ranked, recording where each listed (class, rank)
-    # entry lies instead of writing the element. Element by element: it writes
-    # nothing else, so it is not the one a file apply waits on.
+    # entry lies instead of writing the element (written out again rather than
+    # shared: a call per listed element would cost its arrays' reference counts).
     ptr, down = _class_countdowns(counter, class_offsets, ranks, mask + 1)
     done = 0
     for i in range(lo, hi):
