@@ -11,6 +11,8 @@ its cost, which on a VM is fresh memory faulted in from the host. Measured on
 the 2-vCPU benchmark VM (scripts/bench_memory.py): 1 GiB written + fsynced in
 0.60 s direct against 0.84 to 3.4 s buffered (median 1.74 s). The price: the
 new file is not in the page cache, so the next reader reads it from disk.
+Direct writes are staged through aligned buffers, several on their way to
+the disk at once (`_DirectWriter`).
 PULSEDIFF_BUFFERED_WRITES=1 turns it off.
 
 A process killed with SIGKILL cannot remove its temporary files, so their
@@ -37,9 +39,13 @@ from typing import BinaryIO, Iterator
 from .errors import OutputError
 
 # O_DIRECT wants buffers, offsets and lengths aligned to the logical block size;
-# 4096 covers every common device. Staged in 8 MiB (a multiple of it) at a time.
+# 4096 covers every common device. Staged in 8 MiB (a multiple of it) at a time,
+# up to four stages on their way to the disk at once: one write in flight left
+# the device idle between writes while the CPUs were busy (apply of the 1 GiB
+# pair of docs/BENCHMARKS.md, alternating: 1.73 s with one, 1.41 s with four).
 _DIRECT_BLOCK = 4096
 _DIRECT_STAGE = 8 << 20
+_DIRECT_IN_FLIGHT = 4
 
 TMP_SUFFIX = ".pulsediff-tmp"
 # Which machine wrote a temporary file: a pid means nothing on another host sharing the folder.
@@ -352,25 +358,34 @@ def _set_direct(fd: int) -> bool:
 
 
 class _DirectWriter:
-    """Sequential writes through an aligned staging buffer, for an O_DIRECT file descriptor.
+    """Sequential writes through aligned staging buffers, for an O_DIRECT file descriptor.
 
-    Full blocks go out as they fill; `finish` writes the last partial block
-    zero-padded and truncates the file back to its true length. A file system
-    that accepts the flag but refuses the first write (EINVAL) gets the same
-    bytes without O_DIRECT.
+    Each full stage goes out on an I/O thread (pwrite at its offset) while the
+    caller fills the next, up to `_DIRECT_IN_FLIGHT` at once; `finish`
+    writes the last partial block zero-padded, waits for every write and
+    truncates the file back to its true length. A write error surfaces at a
+    later `write` or at `finish`. A file system that accepts the flag but
+    refuses the first write (EINVAL) gets the same bytes without O_DIRECT.
     """
 
     def __init__(self, fd: int):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
         from .memory import fresh_buffer  # numpy: only the large-output path needs it
 
         self.fd = fd
+        self._fresh = fresh_buffer
+        self._pending = deque()  # (future, stage), oldest first
         try:
             self.buf = fresh_buffer(_DIRECT_STAGE)  # page-aligned: an anonymous map
+            self._pool = ThreadPoolExecutor(max_workers=_DIRECT_IN_FLIGHT, thread_name_prefix="pulsediff-io")
         except BaseException:
             os.close(fd)  # __exit__ will not run: the writer owns the descriptor from here
             raise
         self.fill = 0
         self.size = 0
+        self._offset = 0  # where the stage being filled goes in the file
 
     def write(self, data) -> int:
         import numpy as np
@@ -383,41 +398,72 @@ class _DirectWriter:
             self.fill += n
             done += n
             if self.fill == _DIRECT_STAGE:
-                self._flush(_DIRECT_STAGE)
+                self._send(_DIRECT_STAGE)
         self.size += src.size
         return src.size
 
-    def _flush(self, length: int) -> None:
-        view = memoryview(self.buf[:length])
-        written = 0
-        while written < length:
-            try:
-                written += os.write(self.fd, view[written:])
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not _clear_direct(self.fd):
-                    raise
+    def _send(self, length: int, last: bool = False) -> None:
+        """Hand the filled stage to an I/O thread and go on in a free one (the oldest, once written)."""
+        future = self._pool.submit(_pwrite_all, self.fd, memoryview(self.buf[:length]), self._offset)
+        self._pending.append((future, self.buf))
+        self._offset += length
         self.fill = 0
+        if last:
+            return
+        if len(self._pending) < _DIRECT_IN_FLIGHT:
+            self.buf = self._fresh(_DIRECT_STAGE)
+        else:
+            future, self.buf = self._pending.popleft()
+            future.result()
 
     def finish(self) -> None:
         if self.fill:
             tail = self.fill
             padded = -(-tail // _DIRECT_BLOCK) * _DIRECT_BLOCK
             self.buf[tail:padded] = 0
-            self._flush(padded)
+            self._send(padded, last=True)
+        while self._pending:
+            future, _ = self._pending.popleft()
+            future.result()
         os.ftruncate(self.fd, self.size)
 
     def __enter__(self) -> "_DirectWriter":
         return self
 
     def __exit__(self, *exc) -> None:
-        os.close(self.fd)
+        from concurrent.futures import wait
+
+        try:
+            # No write may still be in flight when the descriptor closes (it could be reused).
+            futures = [future for future, _ in self._pending]
+            while futures:
+                try:
+                    wait(futures)
+                    break
+                except BaseException:  # noqa: BLE001 - even a second Ctrl-C waits
+                    pass
+            self._pool.shutdown(wait=True)
+        finally:
+            os.close(self.fd)
 
 
-def _clear_direct(fd: int) -> bool:
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """All of `view` at `offset` (several threads write one file, each its own range)."""
+    written = 0
+    retried = False
+    while written < len(view):
+        try:
+            written += os.pwrite(fd, view[written:], offset + written)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or retried:
+                raise
+            _clear_direct(fd)  # another stage's thread may have done it already
+            retried = True
+
+
+def _clear_direct(fd: int) -> None:
     import fcntl
 
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    if not flags & os.O_DIRECT:
-        return False
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-    return True
+    if flags & os.O_DIRECT:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)

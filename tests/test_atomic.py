@@ -60,28 +60,100 @@ def test_buffered_when_asked(tmp_path, monkeypatch):
 
 def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
     """Some accept O_DIRECT at open and refuse the write (EINVAL): the writer drops the flag."""
-    real_write = os.write
+    real_pwrite = os.pwrite
     refused = []
 
-    def picky_write(fd, data):
+    def picky_pwrite(fd, data, offset):
         import fcntl
 
         if hasattr(os, "O_DIRECT") and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(fd)
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real_write(fd, data)
+        return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "write", picky_write)
+    monkeypatch.setattr(os, "pwrite", picky_pwrite)
     parts = pieces(np.random.default_rng(5), [STAGE + 777, 3])
     write_staged(tmp_path / "out", parts)
     assert (tmp_path / "out").read_bytes() == b"".join(parts)
+    assert bool(refused) == direct_supported(tmp_path)
+
+
+def direct_supported(folder) -> bool:
+    fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        return atomic._set_direct(fd)
+    finally:
+        os.close(fd)
+        os.unlink(folder / "probe")
+
+
+class SlowDisk:
+    """The real os.pwrite, each call held a random few milliseconds so that stages finish out of order;
+    records how many were in flight at once, and whether one still was when the file closed."""
+
+    def __init__(self, monkeypatch, seed, fail_at=None):
+        import threading
+
+        self.rng = np.random.default_rng(seed)
+        self.lock = threading.Lock()
+        self.active = self.most = self.calls = 0
+        self.active_at_close = []
+        self.fail_at = fail_at
+        self.real_pwrite, self.real_close = os.pwrite, os.close
+        monkeypatch.setattr(os, "pwrite", self.pwrite)
+        monkeypatch.setattr(os, "close", self.close)
+
+    def pwrite(self, fd, data, offset):
+        import time
+
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+            self.active += 1
+            self.most = max(self.most, self.active)
+            delay = float(self.rng.uniform(0, 0.004))
+        try:
+            time.sleep(delay)
+            if call == self.fail_at:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.real_pwrite(fd, data, offset)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def close(self, fd):
+        self.active_at_close.append(self.active)
+        return self.real_close(fd)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stages_written_out_of_order_give_the_exact_bytes(tmp_path, monkeypatch, seed):
+    monkeypatch.setattr(atomic, "_DIRECT_STAGE", 3 * atomic._DIRECT_BLOCK)
+    disk = SlowDisk(monkeypatch, seed)
+    rng = np.random.default_rng(seed)
+    parts = pieces(rng, rng.integers(0, 5 * atomic._DIRECT_STAGE, 25))
+    write_staged(tmp_path / "out", parts)
+    assert (tmp_path / "out").read_bytes() == b"".join(parts)
+    if direct_supported(tmp_path):
+        assert disk.most == atomic._DIRECT_IN_FLIGHT  # the stages did overlap
+
+
+def test_a_stage_failing_while_others_are_in_flight_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(atomic, "_DIRECT_STAGE", 2 * atomic._DIRECT_BLOCK)
+    disk = SlowDisk(monkeypatch, 9, fail_at=6)
+    parts = pieces(np.random.default_rng(9), [20 * atomic._DIRECT_STAGE + 5])
+    with pytest.raises(OutputError, match="no space left on device"):
+        write_staged(tmp_path / "out", parts)
+    assert list(tmp_path.iterdir()) == []
+    if direct_supported(tmp_path):
+        assert disk.calls >= 6 and disk.active_at_close[:1] == [0]  # nothing still writing into the closed file
 
 
 def test_a_failed_direct_write_leaves_nothing(tmp_path, monkeypatch):
-    def no_space(fd, data):
+    def no_space(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(os, "write", no_space)
+    monkeypatch.setattr(os, "pwrite", no_space)
     with pytest.raises(OutputError, match="no space left on device"):
         write_staged(tmp_path / "out", [b"y" * (STAGE + 1)])
     assert list(tmp_path.iterdir()) == []
