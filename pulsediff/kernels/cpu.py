@@ -65,10 +65,12 @@ def _compact_range(old, new, lo, hi, positions, values):
     cap = positions.size
     k = 0
     for i in range(lo, hi):
-        if old[i] != new[i]:
+        u = np.uint64(i)
+        b = new[u]
+        if old[u] != b:
             if k < cap:
-                positions[k] = i
-                values[k] = new[i]
+                positions[np.uint64(k)] = i
+                values[np.uint64(k)] = b
             k += 1
     return k
 
@@ -101,12 +103,13 @@ def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def _scatter_range(out, positions, values, lo, hi):
     # Returns how many positions fall outside `out`; those are skipped, never written,
     # because a hostile patch must not be able to write past the buffer.
-    n = out.size
+    n = np.uint64(out.size)
     bad = 0
     for k in range(lo, hi):
-        p = positions[k]
-        if p >= 0 and p < n:
-            out[p] = values[k]
+        u = np.uint64(k)
+        p = np.uint64(positions[u])  # a negative position wraps to far past n: refused below too
+        if p < n:
+            out[p] = values[u]
         else:
             bad += 1
     return bad
@@ -131,7 +134,7 @@ def scatter(out: np.ndarray, positions: np.ndarray, values: np.ndarray) -> int:
 def _sum_range(gaps, lo, hi):
     s = 0
     for i in range(lo, hi):
-        s += np.int64(gaps[i])
+        s += np.int64(gaps[np.uint64(i)])
     return s
 
 
@@ -142,11 +145,12 @@ def _gaps_to_positions_range(gaps, lo, hi, start, positions):
     bad = 0
     p = start
     for i in range(lo, hi):
-        g = np.int64(gaps[i])
+        u = np.uint64(i)
+        g = np.int64(gaps[u])
         if g <= 0:
             bad += 1
         p += g
-        positions[i] = p
+        positions[u] = p
     return bad
 
 
@@ -233,15 +237,15 @@ def _local_ranks_range(base, lo, hi, shift, mask, positions, j, ranks, hist):
     # Ranks counted from the range's start, for the ascending positions from
     # index j on that fall in the range; and the range's histogram.
     n_pos = positions.size
-    nxt = positions[j] if j < n_pos else hi
+    nxt = positions[np.uint64(j)] if j < n_pos else hi
     for i in range(lo, hi):
-        cls = (np.int64(base[i]) >> shift) & mask
+        cls = np.uint64((np.int64(base[np.uint64(i)]) >> shift) & mask)
         r = hist[cls]
         hist[cls] = r + 1
         if i == nxt:
-            ranks[j] = r
+            ranks[np.uint64(j)] = r
             j += 1
-            nxt = positions[j] if j < n_pos else hi
+            nxt = positions[np.uint64(j)] if j < n_pos else hi
 
 
 def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -597,14 +601,15 @@ def ranked_positions(base, shift, mask, starts, class_offsets, ranks) -> tuple[n
 
 @njit(cache=True, nogil=True)
 def _add_at_range(out, positions, deltas, old, lo, hi):
-    n = out.size
+    n = np.uint64(out.size)
     bad = 0
     for e in range(lo, hi):
-        p = positions[e]
-        if p >= 0 and p < n:
+        u = np.uint64(e)
+        p = np.uint64(positions[u])  # a negative position wraps to far past n: refused below too
+        if p < n:
             v = out[p]
-            old[e] = v
-            z = np.uint64(deltas[e])
+            old[u] = v
+            z = np.uint64(deltas[u])
             out[p] = v + ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1))))  # un-zigzag, wraps
         else:
             bad += 1
