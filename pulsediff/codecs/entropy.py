@@ -71,14 +71,14 @@ def rice_encode(values, ks, counts, out):
         kk = np.uint64(k)
         kmask = (one << kk) - one
         for _ in range(counts[g]):
-            v = np.uint64(values[i])
+            v = np.uint64(values[np.uint64(i)])
             i += 1
             q = v >> kk
             if q + kk < np.uint64(32):  # q ones, a zero, then the k low bits: one code of q + 1 + k bits
                 code = ((one << q) - one) | ((v & kmask) << (q + one))
                 acc |= code << np.uint64(nacc)
                 nacc += int(q) + 1 + k
-                words[w] = np.uint32(acc & low32)
+                words[np.uint64(w)] = np.uint32(acc & low32)
                 full = nacc >> 5
                 w += full
                 acc >>= np.uint64(32 * full)
@@ -115,7 +115,7 @@ def rice_encode(values, ks, counts, out):
 def _refill(data, pos, buf, nbuf):
     """Load bytes from data[pos:] above the window's nbuf bits until it holds 57 or more, or data ends."""
     while nbuf <= 56 and pos < data.size:
-        buf |= np.uint64(data[pos]) << np.uint64(nbuf)
+        buf |= np.uint64(data[np.uint64(pos)]) << np.uint64(nbuf)
         pos += 1
         nbuf += 8
     return pos, buf, nbuf
@@ -184,14 +184,14 @@ def rice_decode(data, ks, counts, out, sizes=None):
                     got += take
             value = (np.uint64(q) << np.uint64(k)) | low
             if sizes is None:
-                out[i] = value
+                out[np.uint64(i)] = value
             else:
                 if value >= np.uint64(sizes[g]):
                     return OUT_OF_RANGE, 0
                 rank += np.int64(value) + 1
                 if rank >= sizes[g]:
                     return OUT_OF_RANGE, 0
-                out[i] = rank
+                out[np.uint64(i)] = rank
             i += 1
     # bytes consumed: those loaded, minus whole bytes still unread in the window
     return OK, pos - (nbuf // 8)
@@ -276,10 +276,10 @@ def rans_encode(symbols, freqs, cums, out):
     pos = out.size
     eight = np.uint64(8)
     for i in range(symbols.size - 1, -1, -1):
-        s = symbols[i]
+        s = symbols[np.uint64(i)]
         while x >= x_max[s]:
             pos -= 1
-            out[pos] = np.uint8(x & np.uint64(0xFF))
+            out[np.uint64(pos)] = np.uint8(x & np.uint64(0xFF))
             x >>= eight
         q = ((x * rcp[s]) >> np.uint64(32)) >> rshift[s]
         x = x + bias[s] + q * cmpl[s]
@@ -314,12 +314,12 @@ def rans_decode(data, freqs, cums, slot_to_symbol, out):
     mask = np.uint64(PROB_SCALE - 1)
     for i in range(out.size):
         e = np.uint64(table[x & mask])
-        out[i] = np.uint8(e & np.uint64(0xFF))
+        out[np.uint64(i)] = np.uint8(e & np.uint64(0xFF))
         x = ((e >> np.uint64(20)) + np.uint64(1)) * (x >> np.uint64(PROB_BITS)) + ((e >> np.uint64(8)) & np.uint64(0xFFF))
         while x < np.uint64(RANS_L):
             if pos >= data.size:
                 return TRUNCATED
-            x = (x << np.uint64(8)) | np.uint64(data[pos])
+            x = (x << np.uint64(8)) | np.uint64(data[np.uint64(pos)])
             pos += 1
     if x != np.uint64(RANS_L) or pos != data.size:
         return BAD_STATE
