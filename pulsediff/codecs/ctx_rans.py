@@ -119,6 +119,10 @@ class _Reader:
 # -- kernels local to this codec ----------------------------------------------
 
 
+_U1, _U2, _U3 = np.uint64(1), np.uint64(2), np.uint64(3)
+_U256, _U512, _U768 = np.uint64(256), np.uint64(512), np.uint64(768)
+
+
 @njit(cache=True, nogil=True)
 def _class_major(classes, ranks, zigzag, ncls, escape):
     """Regroup the changed elements class by class (a stable counting sort), in one scatter.
@@ -135,15 +139,18 @@ def _class_major(classes, ranks, zigzag, ncls, escape):
     """
     m = classes.size
     lanes = np.zeros(4 * ncls, np.int64)
+    # Unsigned indices throughout: Numba guards every signed index with a select for negative ones.
+    n1, n2, n3 = np.uint64(ncls), np.uint64(2 * ncls), np.uint64(3 * ncls)
     i = 0
     while i + 4 <= m:
-        lanes[classes[i]] += 1
-        lanes[ncls + classes[i + 1]] += 1
-        lanes[2 * ncls + classes[i + 2]] += 1
-        lanes[3 * ncls + classes[i + 3]] += 1
+        u = np.uint64(i)
+        lanes[np.uint64(classes[u])] += 1
+        lanes[n1 + np.uint64(classes[u + _U1])] += 1
+        lanes[n2 + np.uint64(classes[u + _U2])] += 1
+        lanes[n3 + np.uint64(classes[u + _U3])] += 1
         i += 4
     while i < m:
-        lanes[classes[i]] += 1
+        lanes[np.uint64(classes[np.uint64(i)])] += 1
         i += 1
     counts = np.empty(ncls, np.int64)
     ptr = np.empty(ncls, np.int64)
@@ -160,7 +167,8 @@ def _class_major(classes, ranks, zigzag, ncls, escape):
     n_esc = 0
     i = 0
     while i + 4 <= m:
-        c0, c1, c2, c3 = classes[i], classes[i + 1], classes[i + 2], classes[i + 3]
+        u = np.uint64(i)
+        c0, c1, c2, c3 = classes[u], classes[u + _U1], classes[u + _U2], classes[u + _U3]
         p0 = ptr[c0]
         p1 = ptr[c1] + (c1 == c0)
         p2 = ptr[c2] + (c2 == c0) + (c2 == c1)
@@ -169,15 +177,17 @@ def _class_major(classes, ranks, zigzag, ncls, escape):
         ptr[c1] = p1 + 1
         ptr[c2] = p2 + 1
         ptr[c3] = p3 + 1
-        ranks_cm[p0] = np.uint64(ranks[i])
-        ranks_cm[p1] = np.uint64(ranks[i + 1])
-        ranks_cm[p2] = np.uint64(ranks[i + 2])
-        ranks_cm[p3] = np.uint64(ranks[i + 3])
-        z0, z1, z2, z3 = np.uint64(zigzag[i]), np.uint64(zigzag[i + 1]), np.uint64(zigzag[i + 2]), np.uint64(zigzag[i + 3])
-        symbols[p0] = np.uint8(min(z0, esc))
-        symbols[p1] = np.uint8(min(z1, esc))
-        symbols[p2] = np.uint8(min(z2, esc))
-        symbols[p3] = np.uint8(min(z3, esc))
+        q0, q1, q2, q3 = np.uint64(p0), np.uint64(p1), np.uint64(p2), np.uint64(p3)
+        ranks_cm[q0] = np.uint64(ranks[u])
+        ranks_cm[q1] = np.uint64(ranks[u + _U1])
+        ranks_cm[q2] = np.uint64(ranks[u + _U2])
+        ranks_cm[q3] = np.uint64(ranks[u + _U3])
+        z0, z1 = np.uint64(zigzag[u]), np.uint64(zigzag[u + _U1])
+        z2, z3 = np.uint64(zigzag[u + _U2]), np.uint64(zigzag[u + _U3])
+        symbols[q0] = np.uint8(min(z0, esc))
+        symbols[q1] = np.uint8(min(z1, esc))
+        symbols[q2] = np.uint8(min(z2, esc))
+        symbols[q3] = np.uint8(min(z3, esc))
         if (z0 >= esc) | (z1 >= esc) | (z2 >= esc) | (z3 >= esc):  # rare: far jumps
             for j, p in ((0, p0), (1, p1), (2, p2), (3, p3)):
                 if np.uint64(zigzag[i + j]) >= esc:
@@ -186,12 +196,13 @@ def _class_major(classes, ranks, zigzag, ncls, escape):
                     n_esc += 1
         i += 4
     while i < m:
-        c = classes[i]
+        u = np.uint64(i)
+        c = classes[u]
         p = ptr[c]
         ptr[c] = p + 1
-        ranks_cm[p] = np.uint64(ranks[i])
-        z = np.uint64(zigzag[i])
-        symbols[p] = np.uint8(min(z, esc))
+        ranks_cm[np.uint64(p)] = np.uint64(ranks[u])
+        z = np.uint64(zigzag[u])
+        symbols[np.uint64(p)] = np.uint8(min(z, esc))
         if z >= esc:
             esc_slot[n_esc] = p
             esc_from[n_esc] = i
@@ -204,13 +215,14 @@ def _class_major(classes, ranks, zigzag, ncls, escape):
     sym = np.zeros(4 * 256, np.int64)  # the symbols' counts, in four lanes too: one ULP up or down is most
     i = 0
     while i + 4 <= m:
-        sym[symbols[i]] += 1
-        sym[256 + symbols[i + 1]] += 1
-        sym[512 + symbols[i + 2]] += 1
-        sym[768 + symbols[i + 3]] += 1
+        u = np.uint64(i)
+        sym[np.uint64(symbols[u])] += 1
+        sym[_U256 + np.uint64(symbols[u + _U1])] += 1
+        sym[_U512 + np.uint64(symbols[u + _U2])] += 1
+        sym[_U768 + np.uint64(symbols[u + _U3])] += 1
         i += 4
     while i < m:
-        sym[symbols[i]] += 1
+        sym[np.uint64(symbols[np.uint64(i)])] += 1
         i += 1
     symbol_counts = sym[:256] + sym[256:512] + sym[512:768] + sym[768:]
     return counts, ranks_cm, symbols, symbol_counts, escapes
