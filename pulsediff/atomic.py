@@ -114,10 +114,11 @@ class StagedFiles:
                     f.finish()
                     os.fsync(fd)
             else:
-                with os.fdopen(fd, "wb") as f:
-                    yield f
-                    f.flush()
-                    os.fsync(f.fileno())
+                try:
+                    yield _PieceWriter(fd)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         except OSError as exc:
             raise output_error(final, exc) from None
 
@@ -355,6 +356,26 @@ def _set_direct(fd: int) -> bool:
         return True
     except OSError:  # tmpfs and some others refuse it
         return False
+
+
+# Buffered writes go to the page cache in pieces of this size: on the benchmark VM
+# (Linux 6.18, ext4) one write() of 1 MiB or more cost 1.5 s per GiB, of 128-256
+# KiB 0.21-0.25 s (the kernel's page-cache path for large writes is the slow part).
+_BUFFERED_PIECE = 256 << 10
+
+
+class _PieceWriter:
+    """Unbuffered sequential writes to a descriptor, handed to the kernel `_BUFFERED_PIECE` at a time."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self.fd, view[done:done + _BUFFERED_PIECE])
+        return len(view)
 
 
 class _DirectWriter:

@@ -58,6 +58,18 @@ def test_buffered_when_asked(tmp_path, monkeypatch):
     assert (tmp_path / "out").read_bytes() == b"abc" * 5000
 
 
+@pytest.mark.parametrize("sizes", [[1], [atomic._BUFFERED_PIECE], [3 * atomic._BUFFERED_PIECE + 5, 7, 0, 12345]])
+def test_buffered_writes_in_pieces_give_the_exact_bytes(tmp_path, monkeypatch, sizes):
+    monkeypatch.setenv("PULSEDIFF_BUFFERED_WRITES", "1")
+    calls = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: calls.append(len(data)) or real_write(fd, data))
+    parts = pieces(np.random.default_rng(sum(sizes)), sizes)
+    write_staged(tmp_path / "out", parts)
+    assert (tmp_path / "out").read_bytes() == b"".join(parts)
+    assert max(calls) <= atomic._BUFFERED_PIECE  # the kernel never gets one large write
+
+
 def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
     """Some accept O_DIRECT at open and refuse the write (EINVAL): the writer drops the flag."""
     real_pwrite = os.pwrite
