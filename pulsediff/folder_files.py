@@ -109,17 +109,21 @@ def read_folder_file(path: Path, size: int | None = None) -> bytes:
     except OSError as exc:
         raise FolderFileError(str(path), exc.strerror or str(exc)) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise FolderFileError(str(path), "not a regular file")
+        # One byte past what fstat says (or past the limit) shows a file that grew or is too
+        # large, without reserving the limit's 256 MiB for every small file.
+        expect = min(st.st_size, MAX_FILE_BYTES)
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+            data = f.read(expect + 1)
     except OSError as exc:
         raise FolderFileError(str(path), exc.strerror or str(exc)) from None
     finally:
         os.close(fd)
     if len(data) > MAX_FILE_BYTES:
         raise FolderFileError(str(path), f"larger than {MAX_FILE_BYTES >> 20} MiB")
-    if size is not None and len(data) != size:
+    if len(data) > expect or (size is not None and len(data) != size):
         raise FolderFileError(str(path), "changed while it was read")
     return data
 

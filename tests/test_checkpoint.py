@@ -142,3 +142,43 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
         Checkpoint(tmp_path / "pipe.safetensors")
     with pytest.raises(InvalidCheckpointError, match="no .safetensors files"):
         Checkpoint(tmp_path)  # a folder lists regular files only
+
+
+def test_folder_file_reads_are_exact_and_bounded(tmp_path, monkeypatch):
+    """A carried file is read whole; one past the limit, or not the size expected, is refused."""
+    from pulsediff import folder_files
+    from pulsediff.errors import FolderFileError
+
+    path = tmp_path / "config.json"
+    data = bytes(range(256)) * 40
+    path.write_bytes(data)
+    assert folder_files.read_folder_file(path) == data
+    assert folder_files.read_folder_file(path, len(data)) == data
+    with pytest.raises(FolderFileError, match="changed while it was read"):
+        folder_files.read_folder_file(path, len(data) - 1)
+    monkeypatch.setattr(folder_files, "MAX_FILE_BYTES", len(data) - 1)
+    with pytest.raises(FolderFileError, match="larger than"):
+        folder_files.read_folder_file(path)
+    monkeypatch.setattr(folder_files, "MAX_FILE_BYTES", len(data))
+    assert folder_files.read_folder_file(path) == data
+
+
+def test_a_folder_file_that_grows_while_read_is_refused(tmp_path, monkeypatch):
+    """fstat says one size, the read finds more: the file changed under us."""
+    import os as os_module
+
+    from pulsediff import folder_files
+    from pulsediff.errors import FolderFileError
+
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(b"x" * 1000)
+    real_fstat = os_module.fstat
+
+    def stale_fstat(fd):  # the size as it was before a writer appended
+        st = real_fstat(fd)
+        return os_module.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid,
+                                      st.st_size - 10, st.st_atime, st.st_mtime, st.st_ctime))
+
+    monkeypatch.setattr(folder_files.os, "fstat", stale_fstat)
+    with pytest.raises(FolderFileError, match="changed while it was read"):
+        folder_files.read_folder_file(path)
