@@ -366,16 +366,16 @@ _BUFFERED_PIECE = 256 << 10
 
 
 class _PieceWriter:
-    """Unbuffered sequential writes to a descriptor, handed to the kernel `_BUFFERED_PIECE` at a time."""
+    """Unbuffered sequential writes to a descriptor without O_DIRECT (`_pwrite_all` cuts them in pieces)."""
 
     def __init__(self, fd: int):
         self.fd = fd
+        self._offset = 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.write(self.fd, view[done:done + _BUFFERED_PIECE])
+        _pwrite_all(self.fd, view, self._offset)
+        self._offset += len(view)
         return len(view)
 
 
@@ -470,17 +470,28 @@ class _DirectWriter:
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """All of `view` at `offset` (several threads write one file, each its own range)."""
+    """All of `view` at `offset` (several threads may write one file, each its own range): in one
+    write through O_DIRECT, else in `_BUFFERED_PIECE` pieces. A descriptor that took O_DIRECT but
+    refuses its first write (EINVAL) loses the flag and gets the pieces."""
+    buffered = not _is_direct(fd)
     written = 0
-    retried = False
     while written < len(view):
+        piece = _BUFFERED_PIECE if buffered else len(view)
         try:
-            written += os.pwrite(fd, view[written:], offset + written)
+            written += os.pwrite(fd, view[written:written + piece], offset + written)
         except OSError as exc:
-            if exc.errno != errno.EINVAL or retried:
+            if exc.errno != errno.EINVAL or buffered:
                 raise
             _clear_direct(fd)  # another stage's thread may have done it already
-            retried = True
+            buffered = True
+
+
+def _is_direct(fd: int) -> bool:
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 def _clear_direct(fd: int) -> None:

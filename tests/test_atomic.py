@@ -62,15 +62,16 @@ def test_buffered_when_asked(tmp_path, monkeypatch):
 def test_buffered_writes_in_pieces_give_the_exact_bytes(tmp_path, monkeypatch, sizes):
     monkeypatch.setenv("PULSEDIFF_BUFFERED_WRITES", "1")
     calls = []
-    real_write = os.write
-    monkeypatch.setattr(os, "write", lambda fd, data: calls.append(len(data)) or real_write(fd, data))
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: calls.append(len(data)) or real_pwrite(fd, data, at))
     parts = pieces(np.random.default_rng(sum(sizes)), sizes)
     write_staged(tmp_path / "out", parts)
     assert (tmp_path / "out").read_bytes() == b"".join(parts)
     assert max(calls) <= atomic._BUFFERED_PIECE  # the kernel never gets one large write
 
 
-def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sizes", [[STAGE + 777, 3], [atomic._BUFFERED_PIECE]])
+def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch, sizes):
     """Some accept O_DIRECT at open and refuse the write (EINVAL): the writer drops the flag."""
     real_pwrite = os.pwrite
     refused = []
@@ -81,13 +82,16 @@ def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path, monke
         if hasattr(os, "O_DIRECT") and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(fd)
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        written.append(len(data))
         return real_pwrite(fd, data, offset)
 
+    written = []
     monkeypatch.setattr(os, "pwrite", picky_pwrite)
-    parts = pieces(np.random.default_rng(5), [STAGE + 777, 3])
+    parts = pieces(np.random.default_rng(5), sizes)
     write_staged(tmp_path / "out", parts)
     assert (tmp_path / "out").read_bytes() == b"".join(parts)
     assert bool(refused) == direct_supported(tmp_path)
+    assert max(written) <= atomic._BUFFERED_PIECE  # buffered from then on, in pieces
 
 
 def direct_supported(folder) -> bool:
