@@ -62,7 +62,11 @@ TRAINER = textwrap.dedent("""
 
 
 def rsync(src: Path, dst: Path) -> None:
-    subprocess.run(["rsync", "-a", f"{src}/", f"{dst}/"], check=True, capture_output=True, timeout=60)
+    """Mirror the folder the way the README says: without publish's in-progress temporaries, which a rename
+    can take away between rsync's listing and its read (exit 24, "some files vanished")."""
+    proc = subprocess.run(["rsync", "-a", "--exclude=*.pulsediff-tmp", f"{src}/", f"{dst}/"],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, f"rsync exit {proc.returncode}: {proc.stderr.decode()}"
 
 
 def catch_up(ckpt: Path, folder: Path, quiet: bool = True) -> subprocess.CompletedProcess:
