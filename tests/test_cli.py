@@ -269,6 +269,30 @@ def test_ctrl_c_during_apply_leaves_nothing(pair, tmp_path):
     interrupted_apply(pair, tmp_path)
 
 
+def test_ctrl_c_exits_even_when_a_thread_would_hold_up_the_exit(pair, tmp_path):
+    """A Ctrl-C that lands while concurrent.futures starts a worker thread can leave that thread
+    unknown to the executor's shutdown, and Python's exit waits forever for it (CI once hung in
+    test_ctrl_c_during_make_leaves_nothing). Stand-in for that thread: one that never ends."""
+    old, new = pair
+    patch = run("make", old, new, "-o", "-", "-q").stdout
+    out = tmp_path / "out" / "new.safetensors"
+    out.parent.mkdir()
+    code = ("import threading; threading.Thread(target=threading.Event().wait, name='left-behind').start(); "
+            "from pulsediff.cli.main import main; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code, "apply", str(old), "-", "-o", str(out), "-q"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(patch[: len(patch) // 2])
+        proc.stdin.flush()
+        _interrupt_when(proc, lambda: any(out.parent.iterdir()))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a hung process must not outlive the test
+    assert proc.returncode == 130, err.decode()
+    assert err.decode().strip() == "pulsediff: interrupted; no partial output was left"
+    assert list(out.parent.iterdir()) == []
+
+
 @pytest.mark.parametrize("args,contains", [
     (("make", "a", "b"), "Missing option '--output'"),
     (("make", "a", "b", "-o", "p", "--bogus"), "No such option: --bogus"),

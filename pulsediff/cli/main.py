@@ -213,6 +213,14 @@ def main(argv: list[str] | None = None) -> None:
         # paid again by every link of a chain and every catch-up. Everything
         # the command wrote is closed by now, so let the exit skip that scan.
         gc.freeze()
+        if code == EXIT_INTERRUPTED:
+            # Ctrl-C can land inside concurrent.futures between starting a worker thread and
+            # registering it for shutdown; Python's exit then waits forever for that thread
+            # (seen in CI and reproduced: make never exited after Ctrl-C). The command has cleaned
+            # up by now and no task runs, so leave without joining threads (stdout is
+            # silenced and the one stderr line flushed already).
+            _flush_stdout()
+            os._exit(code)
     sys.exit(code)
 
 
