@@ -269,6 +269,22 @@ def test_ctrl_c_during_apply_leaves_nothing(pair, tmp_path):
     interrupted_apply(pair, tmp_path)
 
 
+def test_ctrl_c_while_the_command_line_imports_is_one_line():
+    """Ctrl-C before any command runs (the CLI's modules still importing): the same one line and
+    exit code as during a command, not a traceback. An import hook raises it where the signal would."""
+    code = ("import sys\n"
+            "class CtrlC:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'pulsediff.cli.main':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, CtrlC())\n"
+            "from pulsediff.__main__ import main\n"
+            "main()\n")
+    proc = subprocess.run([sys.executable, "-c", code, "--version"], capture_output=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr.decode()
+    assert proc.stderr.decode() == "pulsediff: interrupted; no partial output was left\n"
+    assert proc.stdout == b""
+
 def test_ctrl_c_exits_even_when_a_thread_would_hold_up_the_exit(pair, tmp_path):
     """A Ctrl-C that lands while concurrent.futures starts a worker thread can leave that thread
     unknown to the executor's shutdown, and Python's exit waits forever for it (CI once hung in

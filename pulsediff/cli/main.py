@@ -144,14 +144,14 @@ def _flush_stdout() -> None:
 
 def _run(argv: list[str] | None) -> int:
     """Run the command line; return the exit code. Errors are reported here, as one line on stderr."""
-    command = typer.main.get_command(app)
-    _tidy_help(command)
     debug = os.environ.get("PULSEDIFF_DEBUG") == "1"
     from .. import interrupt
 
     interrupt.install()
     try:
         try:
+            command = typer.main.get_command(app)
+            _tidy_help(command)
             code = command.main(args=argv, prog_name="pulsediff", standalone_mode=False)
             interrupt.check()  # a Ctrl-C swallowed by a finalizer on the way still counts
         finally:
