@@ -2,6 +2,8 @@
 
 import sys
 
+from pulsediff.interrupt import MESSAGE
+
 
 def main() -> None:
     """Run the command line. A Ctrl-C while its modules are still importing (typer: ~0.04 s) ends
@@ -10,7 +12,7 @@ def main() -> None:
     try:
         from pulsediff.cli.main import main as run
     except KeyboardInterrupt:
-        sys.stderr.write("pulsediff: interrupted; no partial output was left\n")
+        sys.stderr.write(f"pulsediff: {MESSAGE}\n")
         raise SystemExit(130) from None
     run()
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import signal
 import sys
 
+# What an interrupted command says (after "pulsediff: "), wherever the interrupt landed.
+MESSAGE = "interrupted; no partial output was left"
+
 _seen = False
 _previous: list = []  # (SIGINT handler, unraisable hook) to put back when the command is over
 

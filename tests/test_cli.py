@@ -285,6 +285,7 @@ def test_ctrl_c_while_the_command_line_imports_is_one_line():
     assert proc.stderr.decode() == "pulsediff: interrupted; no partial output was left\n"
     assert proc.stdout == b""
 
+
 def test_ctrl_c_exits_even_when_a_thread_would_hold_up_the_exit(pair, tmp_path):
     """A Ctrl-C that lands while concurrent.futures starts a worker thread can leave that thread
     unknown to the executor's shutdown, and Python's exit waits forever for it (CI once hung in
