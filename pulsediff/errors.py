@@ -31,6 +31,24 @@ class InvalidCheckpointError(PulsediffError, ValueError):
         super().__init__(f"not a valid safetensors checkpoint: {path}: {reason}")
 
 
+class CheckpointChangedError(PulsediffError, OSError):
+    """A checkpoint file that shrank while pulsediff read it (overwritten, truncated, replaced in place)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path} changed while being read: {reason}")
+
+
+class CheckpointReadError(PulsediffError, OSError):
+    """Reading a checkpoint file failed (an I/O error, a file system that went away)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot read {path}: {reason}")
+
+
 class FolderFileError(PulsediffError, ValueError):
     """A file beside a model folder's weights that a patch cannot carry (pulsediff/folder_files.py)."""
 
