@@ -89,12 +89,23 @@ class Manifest:
             return None
         except OSError as exc:
             raise InvalidManifestError(str(path), exc.strerror or str(exc)) from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        try:
+            # Checked on the descriptor before wrapping it: os.fdopen refuses a directory with an
+            # error naming the descriptor, not the path, and leaves the descriptor open.
+            st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise InvalidManifestError(str(path), "not a regular file")
-            # read(n) allocates n bytes up front: ask for what is there (and one more, in case it grew).
-            data = f.read(min(st.st_size, MAX_MANIFEST_BYTES) + 1)
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a pipe, socket or device"
+                raise InvalidManifestError(str(path), f"not a regular file ({kind})")
+            f = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            with f:
+                # read(n) allocates n bytes up front: ask for what is there (and one more, in case it grew).
+                data = f.read(min(st.st_size, MAX_MANIFEST_BYTES) + 1)
+        except OSError as exc:
+            raise InvalidManifestError(str(path), exc.strerror or str(exc)) from None
         if len(data) > MAX_MANIFEST_BYTES:
             raise InvalidManifestError(str(path), f"larger than {MAX_MANIFEST_BYTES} bytes")
         return parse_manifest(data, str(path))

@@ -150,6 +150,25 @@ def test_manifest_that_is_a_fifo_does_not_hang(tmp_path):
         Manifest.load(tmp_path)
 
 
+def test_manifest_that_is_a_directory_is_one_line_naming_it(tmp_path):
+    """os.fdopen refused the directory with "Is a directory: 3" (the descriptor, not the path) and
+    left the descriptor open, one per call (issue 23)."""
+    (tmp_path / MANIFEST).mkdir()
+    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    for _ in range(20):
+        with pytest.raises(InvalidManifestError) as caught:
+            Manifest.load(tmp_path)
+        assert str(tmp_path / MANIFEST) in str(caught.value) and "directory" in str(caught.value)
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before
+    worker = tmp_path / "worker"
+    for args in (["catch-up", worker, tmp_path], ["catch-up", worker, tmp_path, "--plan"]):
+        proc = subprocess.run([sys.executable, "-m", "pulsediff", *map(str, args)], capture_output=True, timeout=300)
+        lines = proc.stderr.decode().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr.decode()
+        assert str(tmp_path / MANIFEST) in lines[0] and "directory" in lines[0]
+
+
 # -- mislabelled files: digests decide, not labels ----------------------------------
 
 
