@@ -29,8 +29,12 @@ through obstore, and downloads into a cache folder:
   fails its check, is fetched once more from the start;
 - never more than the manifest's size is written: a longer object is refused
   when its extra byte arrives, a shorter one is "incomplete";
-- a 404 is "missing"; a transport failure that outlasts the retries stops
-  catch-up with one line and keeps the `.part` for the next run.
+- a 404 is "missing"; any other failure that outlasts the retries (a 5xx, a
+  body reset again and again, a server that went away) makes the object
+  unavailable the same way, with its reason, and keeps the `.part` for the
+  next run: catch-up then takes another chain where one is intact, and stops
+  with one line naming the failures where none is. Only a refusal (access
+  denied) stops it at once: no other object would be served either.
 
 Why obstore (not fsspec+s3fs, not boto3): see README "Series over S3 and HTTP".
 """
@@ -602,8 +606,12 @@ class ObjectStoreSource(Store):
                 if have > offset and resumes < IN_RUN_RESUMES:  # it was moving: pick up where it broke
                     resumes += 1
                     continue
-                raise FetchError(f"cannot fetch {where}: {_reason(exc)}; {have} of {e.bytes} bytes are kept in "
-                                 f"{self.cache} for the next catch-up to resume") from None
+                # Past the retries: this object is unavailable, like a 404 (a 5xx, a body reset again and
+                # again, an object a server's cache lost), so the planner tries another chain, an anchor's
+                # say. Only when none is left does catch-up stop, naming this as the reason.
+                kept = f"; {have} of {e.bytes} bytes are kept in {self.cache} for the next catch-up to resume" \
+                    if have else ""
+                return _Fetched(f"cannot fetch {where}: {_reason(exc)}{kept}", fresh)
         try:
             f.flush()  # buffered: the checks read the file by its name
             os.fsync(f.fileno())
