@@ -28,13 +28,22 @@ touched). Across machines or thread counts the float results may differ.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from torch import nn
+# OpenMP's threads (torch's) spin while they wait for work: with the cores
+# shared, the README's 4-step series took 45-63 s against 11-16 s passive
+# (two CPU hogs beside it on two cores; alike on idle cores). libgomp reads the
+# setting once, when torch loads it, so it is set here, before `import torch`:
+# a script that imported torch first keeps torch's default. The user's own
+# setting wins. `pulsediff demo` does the same before its imports.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402 (after the wait policy)
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from torch import nn  # noqa: E402
 
 __all__ = [
     "DEMO_RECIPE",
@@ -238,9 +247,9 @@ def make_example_series(
 
     The defaults (~13.8M parameters) take about 65 s on two idle CPU cores
     (`DEMO_RECIPE` about 14 s); time scales with parameters x batch x seq_len
-    x warmup_steps. On a busy machine set OMP_WAIT_POLICY=PASSIVE before torch
-    is imported (the demo does): OpenMP's threads spin while they wait, and
-    with the cores shared that made training ~8x slower.
+    x warmup_steps. Importing this module sets OMP_WAIT_POLICY=PASSIVE unless
+    it is set (OpenMP's spinning threads made training ~4x slower with the
+    cores shared); that takes effect only if torch was not imported before.
     """
     if steps < 0 or warmup_steps < 0:
         raise ValueError("steps and warmup_steps must be >= 0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -59,6 +60,23 @@ def test_demo_quiet_prints_only_the_result(tmp_path, monkeypatch):
     assert "bit-identical" in result.output
     loud = CliRunner().invoke(app, ["demo", "--dir", str(tmp_path / "loud")])
     assert loud.exit_code == 0 and "training: step 4/4, RL step, loss" in loud.output
+
+
+@pytest.mark.parametrize("given, spin", [(None, "0"), ("ACTIVE", "30000000000")])
+def test_example_module_makes_openmp_wait_passively(given, spin):
+    """Importing pulsediff.example (the README's series line) makes torch's OpenMP threads wait passively, as the
+    demo does: spinning threads made that line 45-63 s instead of 11-16 s on shared cores. A user's setting wins.
+
+    libgomp prints the spin count it settled on (0: passive; 300000 when unset; 3e10 for ACTIVE) when it loads.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    proc = subprocess.run([sys.executable, "-c", "import pulsediff.example"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"GOMP_SPINCOUNT = '{spin}'" in proc.stderr
 
 
 def test_example_series_is_deterministic_and_reports_each_step(tmp_path):
