@@ -21,6 +21,7 @@ import typer
 
 from ..errors import PulsediffError, UsageError
 from . import apply_cmd, demo_cmd, digest_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
+from .output import restore_terminal
 
 try:  # typer >= 0.20 ships its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -156,6 +157,7 @@ def _run(argv: list[str] | None) -> int:
             interrupt.check()  # a Ctrl-C swallowed by a finalizer on the way still counts
         finally:
             interrupt.done()
+            restore_terminal()  # a bar left by an error or Ctrl-C: down before the last line, cursor shown
     except NoArgsIsHelpError:
         return EXIT_USAGE  # the help is printed already
     except ClickException as exc:

@@ -13,6 +13,36 @@ from typing import Any, Sequence
 from ..progress import SILENT, Progress
 
 
+# Progress bars on the screen now. A bar hides the cursor and takes over sys.stderr until it is stopped;
+# one left running by an interrupt or an error would keep the cursor hidden after the exit and redraw
+# itself below the command's last line. restore_terminal() takes them all down.
+_SHOWN: list = []
+
+
+def _show(bar) -> None:
+    _SHOWN.append(bar)
+    bar.start()
+
+
+def _hide(bar) -> None:
+    if bar in _SHOWN:
+        _SHOWN.remove(bar)
+    bar.stop()
+
+
+def restore_terminal() -> None:
+    """Take down every progress bar still shown: the cursor visible again, the bar cleared, stderr given back.
+
+    Called once the command is over, whatever its outcome, before its last line is written.
+    """
+    while _SHOWN:
+        bar = _SHOWN.pop()
+        try:
+            bar.stop()
+        except Exception:  # noqa: BLE001 - the terminal is restored as far as it can be; the outcome stands
+            pass
+
+
 class Output:
     def __init__(self, *, quiet: bool = False, as_json: bool = False):
         self.quiet = quiet
@@ -91,7 +121,7 @@ class StepProgress:
             self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                             TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=out.err, transient=True)
-            self._bar.start()
+            _show(self._bar)
             self._task = self._bar.add_task(description, total=total, note="")
 
     def update(self, done: int, note: str = "") -> None:
@@ -105,7 +135,7 @@ class StepProgress:
 
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.stop()
+            _hide(self._bar)
             self._bar = None
 
     def __enter__(self) -> "StepProgress":
@@ -129,7 +159,7 @@ class _RichProgress(Progress):
         self._bar = Bar(TextColumn("{task.description:<12}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         TextColumn("{task.fields[tensors]}/{task.fields[total_tensors]} " + unit), TimeRemainingColumn(),
                         console=self.console, transient=True)
-        self._bar.start()
+        _show(self._bar)
         self._task = self._bar.add_task(description, total=total_bytes, tensors=0, total_tensors=total_tensors)
         self._tensors = 0
 
@@ -140,7 +170,7 @@ class _RichProgress(Progress):
 
     def end(self):
         if self._bar is not None:
-            self._bar.stop()
+            _hide(self._bar)
             self._bar = None
 
 
