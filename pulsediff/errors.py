@@ -154,6 +154,15 @@ class DeviceUnavailableError(PulsediffError, RuntimeError):
         super().__init__(f"--device cuda was asked for, but no CUDA GPU is usable: {reason}")
 
 
+class AmbiguousStepError(PulsediffError, ValueError):
+    """A trainer's folder holds two checkpoints whose names give the same step."""
+
+    def __init__(self, folder: str, step: int, names: tuple[str, str]):
+        self.folder, self.step, self.names = folder, step, names
+        super().__init__(f"two checkpoints for step {step} in {folder}: {names[0]} and {names[1]}; move one "
+                         "away, or give --step-pattern to read the step from the names differently")
+
+
 class UsageError(PulsediffError, ValueError):
     """Arguments that do not fit together."""
 
