@@ -39,7 +39,7 @@ from pathlib import Path
 from .atomic import TMP_SUFFIX, temp_prefix
 from .checkpoint import Checkpoint, TensorView
 from .digest import checkpoint_digest
-from .errors import CheckpointNotFoundError, InvalidManifestError, PulsediffError, UsageError
+from .errors import AmbiguousStepError, CheckpointNotFoundError, InvalidManifestError, PulsediffError, UsageError
 from .manifest import MANIFEST, Entry, Manifest, cheapest_paths
 from .progress import SILENT, Progress
 from .store import Store, open_store, size_problem
@@ -76,15 +76,27 @@ def checkpoint_candidates(train_dir: Path, pattern: str = DEFAULT_STEP_PATTERN) 
         raise UsageError(f"--step-pattern {pattern!r} needs a group around the step number, e.g. 'step_(\\d+)'")
     found: dict[int, Path] = {}
     for path in sorted(train_dir.iterdir()):
-        if path.name.startswith(".") or not (path.is_dir() or path.suffix == ".safetensors"):
+        if path.name.startswith(".") or not (path.suffix == ".safetensors" or _may_hold_a_checkpoint(path)):
             continue
         step = step_in_name(path.name, regex)
         if step is None:
             continue
         if step in found:
-            raise UsageError(f"two checkpoints for step {step}: {found[step].name} and {path.name}")
+            raise AmbiguousStepError(str(train_dir), step, (found[step].name, path.name))
         found[step] = path
     return sorted(found.items())
+
+
+def _may_hold_a_checkpoint(path: Path) -> bool:
+    """A folder with a .safetensors file (or a shard index) in it: a checkpoint, maybe still being written.
+
+    Trainers keep other folders beside their checkpoints (logs2, events_v1, wandb): those are not steps.
+    """
+    try:
+        return path.is_dir() and any(p.name.endswith((".safetensors", ".safetensors.index.json"))
+                                     for p in path.iterdir())
+    except OSError:  # removed meanwhile, or unreadable: not a checkpoint publish can read
+        return False
 
 
 def parses(path: Path) -> bool:
