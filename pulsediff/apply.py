@@ -34,6 +34,7 @@ from .errors import (
     TargetMismatchError,
     TensorMismatchError,
     UsageError,
+    refuse_existing,
 )
 from .folder_files import file_hash, read_folder_file
 from .format import PatchReader
@@ -106,9 +107,12 @@ def apply_patch(
     in_place: bool = False,
     device: str | None = None,
     progress: Progress = SILENT,
+    force: bool = False,
 ) -> ApplyResult:
-    """Rebuild the target of `patch` from `base` (None: the empty checkpoint, for anchors)."""
-    return apply_chain(base, [patch], out, in_place=in_place, device=device, progress=progress)
+    """Rebuild the target of `patch` from `base` (None: the empty checkpoint, for anchors) into `out`, or into
+    `base` itself with `in_place`. An existing `out` is refused (OutputExistsError) unless `force`; with
+    `force`, an `out` that already is the target is left as it is (status "up-to-date")."""
+    return apply_chain(base, [patch], out, in_place=in_place, device=device, progress=progress, force=force)
 
 
 @dataclass
@@ -150,6 +154,7 @@ def apply_chain(
     progress: Progress = SILENT,
     base_ids: dict[str, TensorId] | None = None,
     dry_run: bool = False,
+    force: bool = False,
 ) -> ApplyResult:
     """Apply patches P1..Pn to `base` in one pass, tensor by tensor, with no intermediate checkpoints.
 
@@ -160,7 +165,7 @@ def apply_chain(
     the patches' precision, when the caller has just hashed it (every rebuilt
     tensor is still checked against its recorded hash). `dry_run`: stop after
     the checks that precede writing (headers, links, base digest, output
-    kind) and write nothing.
+    kind) and write nothing. An existing `out` is refused unless `force`, as in `apply_patch`.
     """
     if not patches:
         raise UsageError("give at least one patch")
@@ -170,6 +175,8 @@ def apply_chain(
         raise UsageError("in_place needs a base checkpoint")
     if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
         raise UsageError("a chain of several patches must be files (stdin carries one patch)")
+    if not in_place:
+        refuse_existing(out, force)
     out_path = Path(base) if in_place else Path(out)
     with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]

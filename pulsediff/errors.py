@@ -163,13 +163,34 @@ class AmbiguousStepError(PulsediffError, ValueError):
                          "away, or give --step-pattern to read the step from the names differently")
 
 
+class MissingExtraError(PulsediffError, ImportError):
+    """A feature asked for needs an optional package that is not installed (exit 1: the command was right)."""
+
+    def __init__(self, feature: str, package: str, extra: str):
+        self.feature, self.package, self.extra = feature, package, extra
+        super().__init__(f"{feature} needs {package}, which is not installed: pip install 'pulsediff[{extra}]' "
+                         f"(or pip install {package})")
+
+
 class UsageError(PulsediffError, ValueError):
     """Arguments that do not fit together."""
 
 
 class OutputExistsError(PulsediffError, FileExistsError):
-    """The output path exists and the caller did not ask to replace it (the CLI's -f/--force)."""
+    """The output path exists and the caller did not ask to replace it (the CLI's -f/--force, the API's force=True)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, how: str = "give -f/--force"):
         self.path = path
-        super().__init__(f"{path} already exists; give -f/--force to overwrite it")
+        super().__init__(f"{path} already exists; {how} to overwrite it")
+
+
+def refuse_existing(out, force: bool) -> None:
+    """Raise OutputExistsError if `out` names an existing file or folder (or a link) and not `force`.
+
+    `out` may also be "-" (stdout), a stream or None: nothing to refuse. Like zstd and rsync, every
+    function that writes an output leaves an existing one alone unless told to replace it.
+    """
+    import os
+
+    if not force and isinstance(out, (str, os.PathLike)) and str(out) != "-" and os.path.lexists(out):
+        raise OutputExistsError(str(out), "pass force=True")

@@ -19,7 +19,7 @@ from typing import BinaryIO
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from . import __version__
+from . import __version__, mapped
 from .atomic import StagedFiles
 from .checkpoint import Checkpoint, TensorData, TensorView
 from .live import open_source
@@ -27,7 +27,7 @@ from .codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
 from .codecs.base import zstd_compress
 from .codecs.gap_zstd import gap_width
 from .digest import TensorId, checkpoint_digest, tensor_checks, tensor_hash
-from .errors import UsageError
+from .errors import UsageError, refuse_existing
 from .folder_files import file_hash, folder_files, read_folder_file
 from .format import SectionRef, encode_header, encode_preamble, section_checksum
 from .kernels import get_backend
@@ -82,6 +82,7 @@ def make_patch(
     progress: Progress = SILENT,
     skip_unsupported: bool = False,
     skipped: list[str] | None = None,
+    force: bool = False,
 ) -> PatchHeader:
     """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
 
@@ -92,9 +93,10 @@ def make_patch(
     stdout, or a binary stream. Returns the patch header. A folder's other
     files travel with it (pulsediff/folder_files.py); weights in other formats
     and huge files are refused unless `skip_unsupported`, and what was left
-    out is appended to `skipped`.
+    out is appended to `skipped`. An existing `out` file is refused (OutputExistsError) unless `force`.
     """
     check_choices(codec, precision)
+    refuse_existing(out, force)
     if new is None:
         raise UsageError("NEW must be a checkpoint or a mapping of tensors")
     with open_source(new) as new_ckpt:
@@ -126,6 +128,7 @@ def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str
     backend = get_backend(device)
     with open_source(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
         header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress)
+        mapped.check()  # an input that shrank while read gave zeros: no patch is made of them
         spool.seek(0)
         header_frame = encode_header(header.to_json())
         if isinstance(out, (str, Path)) and str(out) == "-":

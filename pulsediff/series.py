@@ -39,7 +39,8 @@ from pathlib import Path
 from .atomic import TMP_SUFFIX, temp_prefix
 from .checkpoint import Checkpoint, TensorView
 from .digest import checkpoint_digest
-from .errors import AmbiguousStepError, CheckpointNotFoundError, InvalidManifestError, PulsediffError, UsageError
+from .errors import (AmbiguousStepError, CheckpointNotFoundError, InvalidManifestError, PulsediffError, UsageError,
+                     refuse_existing)
 from .manifest import MANIFEST, Entry, Manifest, cheapest_paths
 from .progress import SILENT, Progress
 from .store import Store, open_store, size_problem
@@ -263,7 +264,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
                 header = make_patch(base_path, path, tmp, **kwargs)
                 if from_step is not None and digest_at.get(from_step, header.base_digest) != header.base_digest:
                     raise PulsediffError(f"{base_path} changed after step {from_step} was published; "
-                                         f"its digest is no longer the one in {dest.where(MANIFEST)}")
+                                         f"its digest is no longer the one in {_shown(dest, MANIFEST)}")
                 new_entries.append(Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
                                          tmp.stat().st_size, header.target_bytes))
             # The second look: the checkpoint read while making the patches must be the one there now.
@@ -405,7 +406,7 @@ def _where_we_are(checkpoint: Path, source: Store, progress: Progress):
 
     manifest = source.read_manifest()
     if manifest is None or not manifest.entries:
-        raise CheckpointNotFoundError(source.where(MANIFEST), "manifest")
+        raise CheckpointNotFoundError(_shown(source, MANIFEST), "manifest")
     ids = None  # hashed once here, handed to apply
     if checkpoint.exists():
         with Checkpoint(checkpoint) as ckpt:
@@ -442,9 +443,15 @@ def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress
 
 
 def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None = None, *, device: str | None = None,
-             cache: Path | None = None, progress: Progress = SILENT) -> CatchUpResult:
+             cache: Path | None = None, progress: Progress = SILENT, force: bool = False) -> CatchUpResult:
     """Bring `checkpoint` (or a new `out`) to the newest step published at `patch_dir`: a folder, an
-    `s3://bucket/prefix` or `http(s)://` URL (files are fetched into `cache`), or a Store."""
+    `s3://bucket/prefix` or `http(s)://` URL (files are fetched into `cache`), or a Store. An existing
+    `out` (other than `checkpoint`) is refused unless `force`."""
+    checkpoint = Path(checkpoint)
+    if out is not None:
+        out = Path(out)
+        if not _same_path(out, checkpoint):
+            refuse_existing(out, force)
     source = open_store(patch_dir, cache=cache)
     try:
         return _catch_up(checkpoint, source, out, device, progress)
@@ -462,15 +469,17 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
     out_path = out or checkpoint
 
     def check(path: Path, e: Entry) -> str | None:
-        return _check_file(path, e, manifest.precision, source.where(MANIFEST))
+        return _check_file(path, e, manifest.precision, _shown(source, MANIFEST))
 
     if have == newest.target:
-        if out is not None and out != checkpoint and not out.exists():  # the copy goes through a checked file
+        if out is not None and not _same_path(out, checkpoint):  # the copy goes through a checked file
             problem = source.fetch([newest], check, progress).get(newest.file)
             if problem is not None:
                 raise PulsediffError(f"{checkpoint} is at step {newest.step}, but {out} cannot be written from "
                                      f"{newest.file}: {problem}")
-            apply_chain(checkpoint, [source.path(newest.file)], out, device=device, progress=progress, base_ids=ids)
+            # An `out` that already is the target (given with force) is left as it is.
+            apply_chain(checkpoint, [source.path(newest.file)], out, device=device, progress=progress, base_ids=ids,
+                        force=True)
             source.forget([newest.file], {e.file for e in manifest.entries})
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
     goals = _goals(manifest, have)
@@ -494,8 +503,9 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
         raise PulsediffError(f"gave up after finding damaged files on {MAX_SEARCHES} chains in {source.location} "
                              f"({_describe(problems)})")
     from_anchor = chain[0].kind == "anchor"
+    # force: the checkpoint itself is replaced (catch-up's job), and an existing `out` was refused before unless forced.
     result = apply_chain(None if from_anchor else checkpoint, [source.path(e.file) for e in chain], out_path,
-                         device=device, progress=progress, base_ids=None if from_anchor else ids)
+                         device=device, progress=progress, base_ids=None if from_anchor else ids, force=True)
     source.forget([e.file for e in chain], {e.file for e in manifest.entries})
     step = manifest.step_of(result.header.target_digest)  # the digest rebuilt and verified, not a label
     status = "applied" if step == newest.step else "partial"
@@ -505,6 +515,16 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
     expected = {e.file for e in planned.path_to(newest.target)} if planned.reaches(newest.target) else set()
     problems = {f: why for f, why in problems.items() if why != "missing" or f in expected}
     return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems)
+
+
+def _shown(store: Store, name: str) -> str:
+    """Where a file of the series is, for messages: its URL, or its path in the folder (`where` gives a folder's
+    names relative, for `rsync --files-from`)."""
+    return store.where(name) if store.remote else str(Path(store.location) / name)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    return a == b or a.resolve() == b.resolve()
 
 
 def _describe(problems: dict[str, str]) -> str:

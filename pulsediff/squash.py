@@ -16,7 +16,7 @@ from .checkpoint import TensorData, TensorView, open_checkpoint
 from .codecs import DEFAULT_SPARSE_CODEC
 from .codecs.base import Scratch
 from .digest import checkpoint_digest
-from .errors import BaseMismatchError, UsageError
+from .errors import BaseMismatchError, UsageError, refuse_existing
 from .inspect import tensor_ids
 from .kernels import get_backend
 from .make import TargetSource, check_choices, write_patch
@@ -32,10 +32,13 @@ def squash_patches(
     codec: str = DEFAULT_SPARSE_CODEC,
     device: str | None = None,
     progress: Progress = SILENT,
+    force: bool = False,
 ) -> PatchHeader:
-    """Write one patch equal in effect to applying `patches` to `base` in order."""
+    """Write one patch equal in effect to applying `patches` to `base` in order (an existing `out` file only
+    with `force`)."""
     if not patches:
         raise UsageError("give at least one patch to squash")
+    refuse_existing(out, force)
     if any(str(p) == "-" for p in patches):
         raise UsageError("squash reads patches from files, not stdin")
     with open_chain(patches) as links:

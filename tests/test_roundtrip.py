@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from pulsediff import apply_patch, make_patch, read_patch_header
 from pulsediff.codecs import SPARSE_CODECS
+from pulsediff.errors import OutputExistsError
 from pulsediff.inspect import checkpoint_digest_of
 
 from ckpt_factory import TORCH_DTYPES, folder_bytes, mutate, random_tensor, save, save_sharded
@@ -145,7 +146,10 @@ def test_in_place_file_and_applying_twice_is_harmless(tmp_path):
     out = tmp_path / "out.safetensors"
     apply_patch(tmp_path / "new.safetensors", tmp_path / "p", out, device="cpu")
     assert filecmp.cmp(out, new, shallow=False)
-    assert apply_patch(tmp_path / "new.safetensors", tmp_path / "p", out, device="cpu").status == "up-to-date"
+    with pytest.raises(OutputExistsError, match="force=True"):  # an existing output only with force
+        apply_patch(tmp_path / "new.safetensors", tmp_path / "p", out, device="cpu")
+    assert apply_patch(tmp_path / "new.safetensors", tmp_path / "p", out, device="cpu",
+                       force=True).status == "up-to-date"
 
 
 # -- bf16 (compute-visible) mode ------------------------------------------------------

@@ -38,7 +38,7 @@ def apply(
             if p != "-":
                 verify_patch_file(p)
     result = apply_chain(base, patches, output, in_place=in_place, device=device, progress=out.progress(),
-                         dry_run=dry_run)
+                         dry_run=dry_run, force=force)
     target = result.header.target_digest
     if as_json:
         out.json({"output": str(result.output), "status": result.status, "dry_run": result.dry_run,

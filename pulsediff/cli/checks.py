@@ -2,8 +2,9 @@
 
 Like zstd and rsync, pulsediff does not replace an existing output unless told
 to (-f/--force), does not create missing folders for it, and does not pour
-binary onto a terminal. The library's own functions overwrite: these are the
-command line's promises, checked here so that a refusal costs nothing.
+binary onto a terminal. The library refuses an existing output too (unless
+force=True); the command line checks here as well, before it loads anything,
+so that a refusal costs nothing.
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ def demo(
     patch = directory / "step.pulsediff"
     rebuilt = directory / "rebuilt.safetensors"
     out.info(f"[2/4] pulsediff make {old} {new} -o {patch}")
-    make_patch(old, new, patch, device=device, progress=out.progress())
+    make_patch(old, new, patch, device=device, progress=out.progress(), force=True)  # the demo's own files
     out.info(f"[3/4] pulsediff apply {old} {patch} -o {rebuilt}")
-    apply_patch(old, patch, rebuilt, device=device, progress=out.progress())
+    apply_patch(old, patch, rebuilt, device=device, progress=out.progress(), force=True)
     identical = filecmp.cmp(rebuilt, new, shallow=False)
     same_digest = checkpoint_digest_of(rebuilt) == checkpoint_digest_of(new)
     if not (identical and same_digest):

@@ -38,7 +38,7 @@ def make(
     out = Output(quiet=quiet, as_json=as_json)
     skipped: list[str] = []
     header = make_patch(old, new, output, precision=precision, codec=codec, device=device, progress=out.progress(),
-                        skip_unsupported=skip_unsupported, skipped=skipped)
+                        skip_unsupported=skip_unsupported, skipped=skipped, force=force)
     for note in skipped:
         out.warn(f"not carried in the patch: {new}/{note}")
     changed = sum(t.changed for t in header.tensors)

@@ -8,7 +8,8 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from ..errors import PulsediffError
-from .options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet
+from .checks import check_output
+from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
 from .output import Output
 
 
@@ -75,19 +76,23 @@ def catch_up(
     checkpoint: Annotated[Path, typer.Argument(help="The worker's checkpoint (need not exist yet).")],
     patch_dir: Annotated[str, typer.Argument(metavar="SOURCE", help="Where `pulsediff publish` wrote: its folder (or an "
                          "rsync copy), an s3://bucket/prefix, or an http(s):// URL serving that folder.")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of updating CHECKPOINT in place.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="OUT", help="Write here instead of updating "
+                      "CHECKPOINT in place (it must not exist, unless -f).")] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Only print the files the cheapest chain needs, one per line "
                                        "(names for `rsync --files-from=-`; URLs for a remote SOURCE), judged from the "
                                        "manifest; change nothing.")] = False,
     cache: Annotated[Optional[Path], typer.Option("--cache", help="Remote SOURCE: folder for downloads (resumed from "
                      "there after an interruption). Default: ~/.cache/pulsediff/<one folder per SOURCE>.")] = None,
     device: Device = "auto",
+    force: Force = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Bring a checkpoint to the newest published step by the cheapest intact chain."""
     from ..series import catch_up as run
 
+    if output is not None and not plan and not _same_file(output, checkpoint):
+        check_output(output, force=force)
     out = Output(quiet=quiet or as_json, as_json=as_json)
     if plan:
         from ..series import plan_catch_up
@@ -99,12 +104,14 @@ def catch_up(
         for where in planned.urls:
             out.line(where)
         return
-    result = run(checkpoint, patch_dir, output, device=device, cache=cache, progress=out.progress())
+    result = run(checkpoint, patch_dir, output, device=device, cache=cache, progress=out.progress(), force=force)
     if as_json:
         out.json({"output": str(result.output), "status": result.status, "step": result.step, "files": result.files,
                   "from_anchor": result.from_anchor, "skipped": result.problems})
+    elif result.status == "up-to-date" and _same_file(result.output, checkpoint):
+        out.info(f"{checkpoint} is already at step {result.step}")
     elif result.status == "up-to-date":
-        out.info(f"{result.output} is already at step {result.step}")
+        out.info(f"{checkpoint} is already at step {result.step}, and so now is {result.output}")
     else:
         start = "an anchor" if result.from_anchor else str(checkpoint)
         n = len(result.files)
@@ -114,3 +121,7 @@ def catch_up(
             out.info(f"skipped {name}: {result.problems.get(name, 'missing or damaged')}")
     if result.status == "partial":
         raise PulsediffError(f"stopped at step {result.step}: the newest step cannot be reached from intact files")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a == b or a.resolve() == b.resolve()

@@ -31,7 +31,7 @@ def squash(
     from ..squash import squash_patches
 
     out = Output(quiet=quiet, as_json=as_json)
-    header = squash_patches(base, patches, output, codec=codec, device=device, progress=out.progress())
+    header = squash_patches(base, patches, output, codec=codec, device=device, progress=out.progress(), force=force)
     size = Path(output).stat().st_size if output != "-" else None
     links = sum(p.stat().st_size for p in patches)
     if as_json:
