@@ -19,7 +19,7 @@ from typing import BinaryIO
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from . import __version__, mapped
+from . import __version__
 from .atomic import StagedFiles
 from .checkpoint import Checkpoint, TensorData, TensorView
 from .live import open_source

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, TensorView
 from .codecs import DEFAULT_SPARSE_CODEC
-from .errors import UsageError
+from .errors import MissingExtraError, UsageError
 from .kernels import get_backend
 from .progress import SILENT, Progress
 from .series import DEFAULT_STEP_PATTERN, find_checkpoints
@@ -181,14 +181,14 @@ _LAYER_LABELS = {"embeddings": "embeddings", "attention": "attention", "mlp": "M
 
 
 def pyplot():
-    """matplotlib's pyplot on a file-only backend, or a UsageError that says how to install it."""
+    """matplotlib's pyplot on a file-only backend, or a MissingExtraError that says how to install it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'pulsediff[plot]' (or pip install matplotlib)") from None
+        raise MissingExtraError("--plot", "matplotlib", "plot") from None
     return plt
 
 

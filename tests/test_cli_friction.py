@@ -70,3 +70,87 @@ def test_two_checkpoints_for_one_step_is_an_input_error_with_a_hint(train, tmp_p
     line = one_line_error(run("publish", train, tmp_path / "out", "--settle", "0", check=False), 1)
     assert f"two checkpoints for step 2 in {train}: step2 and step_000002.safetensors" in line
     assert "--step-pattern" in line
+
+
+# -- safe outputs, CLI and Python API alike -----------------------------------------------------------
+
+
+def test_python_api_refuses_an_existing_output_unless_forced(pair, tmp_path):
+    from pulsediff import apply_patch, make_patch
+    from pulsediff.errors import OutputExistsError
+    from pulsediff.squash import squash_patches
+
+    old, new = pair
+    patch, out, squashed = tmp_path / "p", tmp_path / "out.safetensors", tmp_path / "s"
+    for path in (patch, out, squashed):
+        path.write_bytes(b"mine")
+    with pytest.raises(OutputExistsError, match="force=True"):
+        make_patch(old, new, patch, device="cpu")
+    assert patch.read_bytes() == b"mine"
+    make_patch(old, new, patch, device="cpu", force=True)
+    with pytest.raises(OutputExistsError, match="force=True"):
+        apply_patch(old, patch, out, device="cpu")
+    assert out.read_bytes() == b"mine"
+    assert apply_patch(old, patch, out, device="cpu", force=True).status == "applied"
+    assert out.read_bytes() == new.read_bytes()
+    with pytest.raises(OutputExistsError, match="force=True"):
+        squash_patches(old, [patch], squashed, device="cpu")
+    assert squashed.read_bytes() == b"mine"
+    squash_patches(old, [patch], squashed, device="cpu", force=True)
+    assert apply_patch(old, squashed, tmp_path / "again.safetensors", device="cpu").status == "applied"
+
+
+@pytest.fixture
+def published(train, tmp_path) -> Path:
+    run("publish", train, tmp_path / "pub", "--settle", "0", "-q")
+    return tmp_path / "pub"
+
+
+def test_catch_up_output_that_exists_needs_force(train, published, tmp_path):
+    worker, out = tmp_path / "worker.safetensors", tmp_path / "new.safetensors"
+    worker.write_bytes((train / "step_000001.safetensors").read_bytes())
+    out.write_bytes(b"mine")
+    line = one_line_error(run("catch-up", worker, published, "-o", out, check=False), 1)
+    assert f"{out} already exists; give -f/--force" in line
+    assert out.read_bytes() == b"mine"
+    proc = run("catch-up", worker, published, "-o", out, "-f")
+    assert f"{out} is now at step 2" in proc.stderr
+    assert out.read_bytes() == (train / "step_000002.safetensors").read_bytes()
+    assert worker.read_bytes() == (train / "step_000001.safetensors").read_bytes()
+    # the Python API says the same
+    from pulsediff.errors import OutputExistsError
+    from pulsediff.series import catch_up
+
+    with pytest.raises(OutputExistsError, match="force=True"):
+        catch_up(worker, published, out)
+
+
+def test_catch_up_says_what_it_wrote_when_the_worker_is_already_there(train, published, tmp_path):
+    """A worker at the newest step with -o OUT: OUT is written (a checked copy), and the message says so."""
+    worker, out = tmp_path / "worker.safetensors", tmp_path / "copy.safetensors"
+    worker.write_bytes((train / "step_000002.safetensors").read_bytes())
+    proc = run("catch-up", worker, published, "-o", out)
+    assert proc.stderr == f"{worker} is already at step 2, and so now is {out}\n"
+    assert out.read_bytes() == worker.read_bytes()
+    out.write_bytes(b"stale")  # forced over a different file: rewritten, not called up to date
+    proc = run("catch-up", worker, published, "-o", out, "-f")
+    assert out.read_bytes() == worker.read_bytes()
+    assert run("catch-up", worker, published).stderr == f"{worker} is already at step 2\n"
+
+
+def test_catch_up_names_the_manifest_it_looked_for(tmp_path):
+    line = one_line_error(run("catch-up", tmp_path / "w.safetensors", tmp_path / "nosuchdir", check=False), 1)
+    assert line == f"pulsediff: error: manifest not found: {tmp_path / 'nosuchdir' / 'manifest.json'}"
+
+
+# -- optional packages -------------------------------------------------------------------------------
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(train, tmp_path):
+    """A right command on a machine that lacks an extra: exit 1 (not 2, a usage error) and the install line."""
+    code = "import sys; sys.modules['matplotlib'] = None; from pulsediff.cli.main import main; main()"
+    proc = subprocess.run([sys.executable, "-c", code, "stats", str(train), "--plot", str(tmp_path / "s.png")],
+                          capture_output=True, text=True, timeout=300)
+    line = one_line_error(proc, 1)
+    assert "--plot needs matplotlib, which is not installed: pip install 'pulsediff[plot]'" in line
+    assert not (tmp_path / "s.png").exists()

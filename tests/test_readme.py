@@ -1,0 +1,84 @@
+"""README.md's Python snippets run as written, pasted into the interactive prompt as well as run as a script."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckpt_factory import mutate, random_tensor, save
+
+README = Path(__file__).parent.parent / "README.md"
+
+# Feeds a snippet line by line to the interactive interpreter that `python` starts on a terminal (the
+# classic one: 3.13's new prompt takes a paste whole). A compound statement then needs the blank line
+# that ends it, and an error goes on to the next line instead of stopping: any error fails the run.
+REPL = """
+import code, sys
+errors = []
+class Console(code.InteractiveConsole):
+    def showtraceback(self):
+        errors.append(sys.exc_info()[1]); super().showtraceback()
+    def showsyntaxerror(self, filename=None, **kwargs):
+        errors.append(sys.exc_info()[1]); super().showsyntaxerror(filename, **kwargs)
+console = Console()
+more = False
+for line in sys.stdin.read().splitlines():
+    more = console.push(line)
+if more:
+    console.push("")
+sys.exit(1 if errors else 0)
+"""
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def paste(snippet: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", REPL], input=snippet, cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def steps_41_42(tmp_path) -> Path:
+    """The files the API snippet names."""
+    rng = np.random.default_rng(42)
+    base = {"w": random_tensor(rng, "BF16", (128, 64))}
+    save(base, tmp_path / "step_41.safetensors")
+    save({"w": mutate(rng, base["w"], 0.01)}, tmp_path / "step_42.safetensors")
+    return tmp_path
+
+
+def test_readme_has_the_snippets_these_tests_run():
+    blocks = python_blocks()
+    assert len(blocks) == 2, "a Python block was added or removed: give it a test here"
+    assert "make_patch(" in blocks[0] and "apply_to_state_dict(" in blocks[1]
+
+
+def test_api_snippet_pasted_into_the_prompt(steps_41_42):
+    """It rebuilds step 42 beside its inputs, and does not write over either of them."""
+    new_before = (steps_41_42 / "step_42.safetensors").read_bytes()
+    proc = paste(python_blocks()[0], steps_41_42)
+    assert proc.returncode == 0, proc.stderr
+    assert (steps_41_42 / "step_42.safetensors").read_bytes() == new_before
+    outputs = [p for p in steps_41_42.iterdir() if p.suffix == ".safetensors" and not p.name.startswith("step_4")]
+    assert [p.read_bytes() for p in outputs] == [new_before]
+
+
+@pytest.mark.parametrize("how", ["prompt", "script"])
+def test_live_tensor_snippet_runs_as_written(how, tmp_path):
+    snippet = python_blocks()[1]
+    if how == "prompt":
+        proc = paste(snippet, tmp_path)
+    else:
+        proc = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    # It printed its line, with elements written: the worker was behind, and the patch moved it.
+    written = re.search(r"(\d+) bytes, (\d+) elements written", proc.stdout)
+    assert written and int(written.group(2)) > 0, proc.stdout
