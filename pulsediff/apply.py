@@ -47,12 +47,12 @@ from .safetensors_io import HeaderError, parse_header
 
 @dataclass(frozen=True)
 class ApplyResult:
-    status: str  # "applied" or "up-to-date"
-    output: Path
+    status: str  # "applied", "up-to-date", or for a dry run that would write, "would-apply"
+    output: Path | None  # None: a dry run given no output
     header: PatchHeader  # the last patch applied (its target is the output)
     links_applied: int = 1
     base_is_target: bool = False  # the base already was the target (a patch made with OLD and NEW swapped?)
-    dry_run: bool = False  # everything was checked, nothing written ("applied" says what would have been)
+    dry_run: bool = False  # everything was checked, nothing written
     layout_from_base: bool = False  # bf16: the files keep the receiver's (base's) BF16 layout, not the patch's
 
 
@@ -165,11 +165,12 @@ def apply_chain(
     the patches' precision, when the caller has just hashed it (every rebuilt
     tensor is still checked against its recorded hash). `dry_run`: stop after
     the checks that precede writing (headers, links, base digest, output
-    kind) and write nothing. An existing `out` is refused unless `force`, as in `apply_patch`.
+    kind) and write nothing; it needs no output (then `output` is None). An
+    existing `out` is refused unless `force`, as in `apply_patch`.
     """
     if not patches:
         raise UsageError("give at least one patch")
-    if in_place == (out is not None):
+    if in_place and out is not None or not (in_place or out is not None or dry_run):
         raise UsageError("give exactly one of an output path or in_place=True")
     if in_place and base is None:
         raise UsageError("in_place needs a base checkpoint")
@@ -177,7 +178,7 @@ def apply_chain(
         raise UsageError("a chain of several patches must be files (stdin carries one patch)")
     if not in_place:
         refuse_existing(out, force)
-    out_path = Path(base) if in_place else Path(out)
+    out_path = Path(base) if in_place else Path(out) if out is not None else None
     with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]
         final = final_link.header
@@ -186,10 +187,10 @@ def apply_chain(
             if base_ids is None:
                 base_ids = tensor_ids(view, progress)
             digest = checkpoint_digest(base_ids.values())
-            base_is_out = base is not None and out_path.resolve() == Path(base).resolve()
+            base_is_out = base is not None and out_path is not None and out_path.resolve() == Path(base).resolve()
             base_is_target = digest == final.target_digest
             if base_is_target:
-                if in_place or base_is_out or _already_target(out_path, final):
+                if in_place or base_is_out or out_path is None or _already_target(out_path, final):
                     return ApplyResult("up-to-date", out_path, final, 0, True, dry_run)
                 links = []  # the base is the target: only the layout may differ
             else:
@@ -197,7 +198,7 @@ def apply_chain(
                 if not later:
                     raise _base_mismatch(links[0].header, base_ids, digest)
                 links = links[later[-1]:]
-                if _already_target(out_path, final):
+                if out_path is not None and _already_target(out_path, final):
                     return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
             receiver = _receiver_layout(base_ckpt, view, final)
             sequential = len(patches) == 1  # one patch, maybe on stdin: read it front to back
@@ -206,10 +207,12 @@ def apply_chain(
                     sequential = False  # the receiver's order: read the sections where they lie
                 else:
                     receiver = None  # stdin cannot be read out of order: the patch's layout
-            _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
+            if out_path is not None:
+                _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
             files = FolderFileSources(links or [final_link], base_ckpt, final, in_place, sequential)
             if dry_run:
-                return ApplyResult("applied", out_path, final, len(links), base_is_target, True, receiver is not None)
+                return ApplyResult("would-apply", out_path, final, len(links), base_is_target, True,
+                                   receiver is not None)
             backend = get_backend(device)
             if in_place:  # removed with the renames, under the same intent record
                 files.stale = _stale_paths(base_ckpt, receiver or _TargetFiles.of_patch(final, None, ""), files.removed)

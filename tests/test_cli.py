@@ -317,8 +317,8 @@ def test_ctrl_c_exits_even_when_a_thread_would_hold_up_the_exit(pair, tmp_path):
     (("make", "a", "b", "-o", "p", "--codec", "zip"), "'--codec'"),
     (("stats", "p", "--top", "many"), "'--top'"),
     (("apply", "a"), "Missing argument"),
-    (("apply", "a", "p"), "give exactly one of -o OUT or --in-place"),
-    (("apply", "a", "p", "-o", "o", "--in-place"), "give exactly one of -o OUT or --in-place"),
+    (("apply", "a", "p"), "give -o OUT or --in-place (or -n to check without writing)"),
+    (("apply", "a", "p", "-o", "o", "--in-place"), "give one of -o OUT or --in-place, not both"),
     (("frobnicate",), "No such command"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(tmp_path, args, contains):
@@ -477,7 +477,7 @@ def test_apply_dry_run_writes_nothing(pair, tmp_path):
     proc = run("apply", old, tmp_path / "p", "-o", tmp_path / "out", "-n")
     assert "would write" in proc.stderr.decode()
     report = json.loads(run("apply", old, tmp_path / "p", "-o", tmp_path / "out", "--dry-run", "--json").stdout)
-    assert report["dry_run"] is True and report["status"] == "applied" and report["patches_applied"] == 1
+    assert report["dry_run"] is True and report["status"] == "would-apply" and report["patches_applied"] == 1
     base = tmp_path / "base.safetensors"
     base.write_bytes(old.read_bytes())
     run("apply", base, tmp_path / "p", "--in-place", "-n", "-q")

@@ -154,3 +154,36 @@ def test_plot_without_matplotlib_says_how_to_install_it(train, tmp_path):
     line = one_line_error(proc, 1)
     assert "--plot needs matplotlib, which is not installed: pip install 'pulsediff[plot]'" in line
     assert not (tmp_path / "s.png").exists()
+
+
+# -- apply: in place again, dry runs ---------------------------------------------------------------
+
+
+def test_applying_again_in_place_says_up_to_date_without_a_warning(pair, tmp_path):
+    old, new = pair
+    base = tmp_path / "base.safetensors"
+    base.write_bytes(old.read_bytes())
+    run("make", old, new, "-o", tmp_path / "p", "-q")
+    run("apply", base, tmp_path / "p", "--in-place", "-q")
+    proc = run("apply", base, tmp_path / "p", "--in-place")
+    assert proc.stderr.startswith(f"{base} is already up to date: it is the patch's target (xxh128:")
+    assert "warning" not in proc.stderr and "swapped" not in proc.stderr
+    assert base.read_bytes() == new.read_bytes()
+
+
+def test_dry_run_needs_no_output_and_does_not_say_applied(pair, tmp_path):
+    import json
+
+    old, new = pair
+    run("make", old, new, "-o", tmp_path / "p", "-q")
+    before = sorted(tmp_path.iterdir())
+    proc = run("apply", old, tmp_path / "p", "-n")
+    assert proc.stderr.startswith("would rebuild the target (xxh128:") and "all checks passed" in proc.stderr
+    report = json.loads(run("apply", old, tmp_path / "p", "-n", "--json").stdout)
+    assert report["dry_run"] is True and report["status"] == "would-apply" and report["output"] is None
+    report = json.loads(run("apply", old, tmp_path / "p", "-o", tmp_path / "out", "-n", "--json").stdout)
+    assert report["status"] == "would-apply" and report["output"] == str(tmp_path / "out")
+    assert sorted(tmp_path.iterdir()) == before
+    # without -n, an output is still needed
+    line = one_line_error(run("apply", old, tmp_path / "p", check=False), 2)
+    assert "give -o OUT or --in-place" in line

@@ -18,15 +18,17 @@ def apply(
     patches: Annotated[list[str], typer.Argument(metavar="PATCH...", help="Patch files in order (a chain), or - to read one from stdin.")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="OUT", help="Where to write the rebuilt checkpoint (it must not exist, unless -f).")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace BASE with the rebuilt checkpoint (atomically).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Check the patches and BASE's digest and say what would be written; write nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Check the patches and BASE's digest and say what would be written; write nothing (-o and --in-place optional).")] = False,
     device: Device = "auto",
     force: Force = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Rebuild the target checkpoint from BASE and a patch (or a chain of patches), verified bit for bit."""
-    if in_place == (output is not None):
-        raise UsageError("give exactly one of -o OUT or --in-place")
+    if in_place and output is not None:
+        raise UsageError("give one of -o OUT or --in-place, not both")
+    if not (in_place or output is not None or dry_run):
+        raise UsageError("give -o OUT or --in-place (or -n to check without writing)")
     if output is not None:
         check_output(output, force=force)
     check_patch_paths(patches)
@@ -41,12 +43,16 @@ def apply(
                          dry_run=dry_run, force=force)
     target = result.header.target_digest
     if as_json:
-        out.json({"output": str(result.output), "status": result.status, "dry_run": result.dry_run,
-                  "patches_applied": result.links_applied, "base_is_target": result.base_is_target,
-                  "target_digest": target, "layout": "base" if result.layout_from_base else "patch"})
+        out.json({"output": None if result.output is None else str(result.output), "status": result.status,
+                  "dry_run": result.dry_run, "patches_applied": result.links_applied,
+                  "base_is_target": result.base_is_target, "target_digest": target,
+                  "layout": "base" if result.layout_from_base else "patch"})
         return
     would = "would write" if result.dry_run else "wrote"
-    if result.base_is_target:
+    if result.base_is_target and (in_place or result.output is None):
+        # Applying again where the patch was applied: harmless, as zstd and rsync would say.
+        out.info(f"{base} is already up to date: it is the patch's target ({target})")
+    elif result.base_is_target:
         # Also what a patch made the wrong way round looks like: `make NEW OLD` applied to OLD.
         state = "is already up to date: it" if result.status == "up-to-date" else "already"
         out.warn(f"{base} {state} is the patch's target ({target}), so the patch changes nothing; "
@@ -60,4 +66,8 @@ def apply(
         links = "" if n == 1 else f", {n} patches"
         verified = "all checks passed" if result.dry_run else "verified"
         layout = f", in {base}'s own BF16 file layout" if result.layout_from_base else ""
-        out.info(f"{would} {result.output} ({target}, {verified}{links}{layout})")
+        if result.output is None:
+            out.info(f"would rebuild the target ({target}, {verified}{links}{layout}); "
+                     "give -o OUT or --in-place to write it")
+        else:
+            out.info(f"{would} {result.output} ({target}, {verified}{links}{layout})")
