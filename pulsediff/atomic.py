@@ -37,7 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .errors import OutputError
+from . import mapped
+from .errors import OutputError, PulsediffError
 
 # O_DIRECT wants buffers, offsets and lengths aligned to the logical block size;
 # 4096 covers every common device. Staged in 8 MiB (a multiple of it) at a time,
@@ -120,6 +121,8 @@ class StagedFiles:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+        except PulsediffError:
+            raise  # the caller's own, e.g. an input that changed while it was read: not a write error
         except OSError as exc:
             raise output_error(final, exc) from None
 
@@ -130,6 +133,7 @@ class StagedFiles:
         from .interrupt import check
 
         check()  # a Ctrl-C that a finalizer swallowed earlier stops us here, before anything is visible
+        mapped.check()  # an input that shrank while read gave zeros: nothing made from it is published
         renames = [(tmp, final) for tmp, final in self._staged if final not in self._folders]
         by_folder: dict[Path, list] = {}
         for tmp, final in renames:

@@ -1,7 +1,10 @@
 """Checkpoints on disk: one `.safetensors` file, or a folder of shards.
 
 A `Checkpoint` memory-maps its files and hands out one tensor's bits at a
-time, so that nothing ever holds a whole checkpoint in memory. A folder is
+time, so that nothing ever holds a whole checkpoint in memory. Each mapping
+is guarded (pulsediff/mapped.py): a file that shrinks while it is read
+gives zeros instead of SIGBUS, and `close()` (the end of a `with` block)
+then raises `CheckpointChangedError` naming it, as does an output's commit. A folder is
 read through its Hugging Face `model.safetensors.index.json` when it has one,
 else every `*.safetensors` file in it is a shard.
 
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import strict_json
+from . import mapped, strict_json
 from .atomic import finish_interrupted
 from .dtypes import BF16, DType
 from .errors import CheckpointNotFoundError, InvalidCheckpointError
@@ -78,6 +81,7 @@ class ShardFile:
     path: Path
     header: ParsedHeader
     _map: mmap.mmap | None
+    _guard: int | None = None  # its slot in pulsediff.mapped while the map is open
 
     def tensor_bytes(self, entry: TensorEntry) -> np.ndarray:
         """Zero-copy uint8 view of one tensor's bytes."""
@@ -172,8 +176,12 @@ class Checkpoint:
                 header = parse_header(raw, size - 8 - n)
             except HeaderError as exc:
                 raise InvalidCheckpointError(str(path), str(exc)) from None
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
-        shard = ShardFile(name, path, header, mapped)
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
+        shard = ShardFile(name, path, header, mapping)
+        if mapping is not None:
+            view = np.frombuffer(mapping, np.uint8)  # for its address; no copy
+            shard._guard = mapped.watch(view.ctypes.data, size, str(path), size)
+            del view  # an exported buffer would keep the map from closing
         self.shards.append(shard)
         for entry in header.tensors:
             if entry.name in self._where:
@@ -216,13 +224,21 @@ class Checkpoint:
         return sum(8 + len(s.header.raw) + s.header.data_bytes for s in self.shards)
 
     def close(self) -> None:
+        """Unmap the files. Raises CheckpointChangedError if one of them shrank while it was mapped:
+        whatever was computed from its bytes since is not to be trusted."""
+        changed = None
         for s in self.shards:
+            changed = changed or mapped.changed(s._guard)
             if s._map is not None:
                 try:
                     s._map.close()
+                    mapped.unwatch(s._guard)
+                    s._guard = None
                 except BufferError:
-                    pass  # a view is still alive; the map closes when it is collected
+                    pass  # a view is still alive; the map closes when it is collected (still guarded)
                 s._map = None
+        if changed is not None:
+            raise changed
 
     def __enter__(self) -> "Checkpoint":
         return self

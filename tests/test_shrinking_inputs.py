@@ -1,0 +1,212 @@
+"""Inputs that shrink while pulsediff reads them (issue 23): a trainer overwriting its checkpoint, a
+sync tool replacing it, a full disk. The command must end with exit 1 and one line naming the file,
+never die by a signal (a memory-mapped read of a truncated file is SIGBUS), and leave nothing behind.
+
+Deterministic moments come from a hook in the pulsediff process that truncates a file right after
+the checkpoint opens it, or after its k-th tensor read; a last test truncates from outside at
+random moments while the command runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckpt_factory import mutate, random_tensor, save
+
+PULSEDIFF = [sys.executable, "-m", "pulsediff"]
+TENSORS = 6
+
+# Runs pulsediff's command line in a process where VICTIM is truncated to KEEP bytes once the
+# checkpoint reading it has opened it (AFTER=0), or right after the AFTER-th tensor read from it.
+HOOK = """
+import os, sys
+from pathlib import Path
+from pulsediff import checkpoint
+victim, keep, after = Path(os.environ["VICTIM"]).resolve(), int(os.environ["KEEP"]), int(os.environ["AFTER"])
+reads = 0
+done = False
+
+def cut():
+    global done
+    if not done:
+        done = True
+        os.truncate(victim, keep)
+
+opened = checkpoint.Checkpoint.__init__
+def init(self, path):
+    opened(self, path)
+    if Path(path).resolve() == victim and after == 0:
+        cut()
+checkpoint.Checkpoint.__init__ = init
+
+read = checkpoint.Checkpoint.raw_bytes
+def raw_bytes(self, name):
+    global reads
+    bits = read(self, name)
+    if Path(self.path).resolve() == victim:
+        reads += 1
+        if reads == after:
+            cut()
+    return bits
+checkpoint.Checkpoint.raw_bytes = raw_bytes
+
+from pulsediff.__main__ import main
+sys.argv[0] = "pulsediff"
+main()
+"""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Six 2 MiB tensors a side: each read through the buffers pulsediff reuses."""
+    tmp = tmp_path_factory.mktemp("shrink")
+    rng = np.random.default_rng(23)
+    base = {f"w{i}": random_tensor(rng, "BF16", (1024, 1024)) for i in range(TENSORS)}
+    target = {k: mutate(rng, v, 0.01) for k, v in base.items()}
+    return save(base, tmp / "old.safetensors"), save(target, tmp / "new.safetensors")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.write_bytes(src.read_bytes())
+    return dst
+
+
+def _run_hooked(args, victim: Path, keep: int, after: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VICTIM": str(victim), "KEEP": str(keep), "AFTER": str(after)}
+    return subprocess.run([sys.executable, "-c", HOOK, *map(str, args)], capture_output=True, env=env,
+                          timeout=300)
+
+
+def _assert_changed(proc: subprocess.CompletedProcess, victim: Path) -> None:
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, f"exit {proc.returncode} ({signal.Signals(-proc.returncode).name if proc.returncode < 0 else ''}): {err}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pulsediff: error:"), err
+    assert str(victim) in lines[0] and "changed while being read" in lines[0], err
+
+
+# Moments: as soon as it is open; after the first tensor; during apply's second pass over the base
+# (the first checks its digest), when the output's temporary file is open.
+@pytest.mark.parametrize("after", [0, 1, TENSORS + 2])
+@pytest.mark.parametrize("keep", ["half", "header"])
+def test_base_truncated_during_apply(pair, tmp_path, after, keep):
+    old, new = pair
+    patch = tmp_path / "p.pulsediff"
+    subprocess.run([*PULSEDIFF, "make", old, new, "-o", patch, "-q"], check=True, timeout=300)
+    base = _copy(old, tmp_path / "base.safetensors")
+    out = tmp_path / "out"
+    out.mkdir()
+    size = base.stat().st_size
+    proc = _run_hooked(["apply", base, patch, "-o", out / "new.safetensors", "-q"], base,
+                       size // 2 if keep == "half" else size - TENSORS * (2 << 20) + 100, after)
+    _assert_changed(proc, base)
+    assert list(out.iterdir()) == []  # no output, no temporary
+
+
+@pytest.mark.parametrize("after", [0, 1, TENSORS - 1])
+@pytest.mark.parametrize("which", ["new", "old"])
+def test_input_truncated_during_make(pair, tmp_path, after, which):
+    old, new = (_copy(p, tmp_path / p.name) for p in pair)
+    victim = new if which == "new" else old
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _run_hooked(["make", old, new, "-o", out / "p.pulsediff", "-q"], victim,
+                       victim.stat().st_size // 3, after)
+    _assert_changed(proc, victim)
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["digest", "stats"])
+def test_checkpoint_truncated_while_read_by_reporting_commands(pair, tmp_path, command):
+    old, new = (_copy(p, tmp_path / p.name) for p in pair)
+    args = ["digest", new] if command == "digest" else ["stats", old, new]
+    proc = _run_hooked(args, new, new.stat().st_size // 2, 1)
+    _assert_changed(proc, new)
+
+
+@pytest.fixture(scope="module")
+def big_pair(tmp_path_factory):
+    """128 MiB a side: long enough to be cut at a random moment from outside."""
+    tmp = tmp_path_factory.mktemp("shrink-big")
+    rng = np.random.default_rng(24)
+    base = {f"w{i}": random_tensor(rng, "BF16", (4096, 4096)) for i in range(4)}
+    target = {k: mutate(rng, v, 0.01) for k, v in base.items()}
+    return save(base, tmp / "old.safetensors"), save(target, tmp / "new.safetensors")
+
+
+def test_truncated_from_outside_at_random_moments(big_pair, tmp_path):
+    """Another process truncates the input while make or apply runs, at random moments. Each run
+    either finishes (the cut came after the last read: its output is whole) or fails with the one
+    line; none dies by a signal, and a failed one leaves nothing."""
+    old, new = big_pair
+    patch = tmp_path / "p.pulsediff"
+    subprocess.run([*PULSEDIFF, "make", old, new, "-o", patch, "-q"], check=True, timeout=300)
+    rng = np.random.default_rng(25)
+    for trial in range(6):
+        work = tmp_path / f"t{trial}"
+        out = work / "out"
+        out.mkdir(parents=True)
+        victim = _copy(new if trial % 2 else old, work / "victim.safetensors")
+        if trial % 2:
+            args = ["make", old, victim, "-o", out / "p.pulsediff", "-q"]
+        else:
+            args = ["apply", victim, patch, "-o", out / "new.safetensors", "-q"]
+        proc = subprocess.Popen([*PULSEDIFF, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        delay = float(rng.uniform(0.5, 2.5))  # start-up (imports, Numba's cache) takes most of a second
+        timer = threading.Timer(delay, os.truncate, (victim, victim.stat().st_size // 3))
+        timer.start()
+        _, err = proc.communicate(timeout=300)
+        timer.join()
+        err = err.decode()
+        assert proc.returncode in (0, 1), f"trial {trial}, cut at {delay:.2f} s: exit {proc.returncode}: {err}"
+        if proc.returncode == 1:
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("pulsediff: error:"), err
+            assert list(out.iterdir()) == [], err
+
+
+# -- the guard itself (pulsediff/mapped.py) -----------------------------------------------------
+
+GUARD = """
+import mmap, os, sys
+import numpy as np
+from pulsediff import mapped
+path, watched = sys.argv[1], sys.argv[2] == "watched"
+with open(path, "wb") as f:
+    f.write(b"\\1" * (1 << 20))
+with open(path, "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+view = np.frombuffer(m, np.uint8)
+slot = mapped.watch(view.ctypes.data, len(m), path, len(m)) if watched else None
+if not watched:
+    mapped.watch(0, 1, "elsewhere", 1)  # the handler is installed, this map is not guarded
+os.truncate(path, 4096)
+print(int(view[:4096].sum()), int(view.sum()), type(mapped.changed(slot)).__name__, flush=True)
+"""
+
+
+def test_guarded_map_reads_zeros_past_the_new_end_and_says_so(tmp_path):
+    if not (sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "aarch64")):
+        pytest.skip("the guard is installed on Linux x86-64 and AArch64 only")
+    proc = subprocess.run([sys.executable, "-c", GUARD, str(tmp_path / "f"), "watched"], capture_output=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().split() == ["4096", "4096", "CheckpointChangedError"]
+
+
+def test_sigbus_outside_the_guarded_maps_still_kills(tmp_path):
+    """The handler takes only faults inside the maps it guards: anything else dies as before."""
+    if not (sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "aarch64")):
+        pytest.skip("the guard is installed on Linux x86-64 and AArch64 only")
+    proc = subprocess.run([sys.executable, "-c", GUARD, str(tmp_path / "f"), "unguarded"], capture_output=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGBUS, proc.stderr.decode()
