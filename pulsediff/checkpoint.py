@@ -16,6 +16,7 @@ to BF16 with round-to-nearest-even (by torch, so it is exactly
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -75,6 +76,24 @@ def is_plain_filename(name: str) -> bool:
     )
 
 
+def unreadable(path: Path) -> str | None:
+    """Why `path`, which must be a checkpoint file (a shard, the index), is not a regular file that
+    can be opened, or None. "missing" when there is nothing there at all."""
+    try:
+        st = path.stat()  # links followed, as in a Hugging Face cache snapshot
+    except FileNotFoundError:
+        return "a dangling symbolic link" if path.is_symlink() else "missing"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        return exc.strerror or str(exc)
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder, not a file"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file (a pipe, socket or device)"
+    return None
+
+
 @dataclass
 class ShardFile:
     name: str  # file name inside the checkpoint folder ("" for a single-file checkpoint)
@@ -123,7 +142,10 @@ class Checkpoint:
         # until then the folder mixes old and new files.
         finish_interrupted(self.path)
         index_path = self.path / INDEX_NAME
-        if index_path.is_file():
+        if os.path.lexists(index_path):  # whatever it is: an index that cannot be read is not ignored
+            problem = unreadable(index_path)
+            if problem is not None:
+                raise InvalidCheckpointError(str(index_path), problem)
             if index_path.stat().st_size > MAX_INDEX_BYTES:
                 raise InvalidCheckpointError(str(index_path), "index file is implausibly large")
             self.index_bytes = index_path.read_bytes()
@@ -138,15 +160,25 @@ class Checkpoint:
             if not all(is_plain_filename(n) for n in names):
                 raise InvalidCheckpointError(str(index_path), "weight_map names a file outside the folder")
             for n in names:
-                if not (self.path / n).is_file():
+                problem = unreadable(self.path / n)
+                if problem == "missing":
                     raise InvalidCheckpointError(str(index_path), f"shard {n} is missing")
+                if problem is not None:
+                    raise InvalidCheckpointError(str(self.path / n), problem)
                 self._add_shard(n, self.path / n)
             listed = {k: v for k, v in weight_map.items()}
             actual = {name: shard.name for name, (shard, _) in self._where.items()}
             if listed != actual:
                 raise InvalidCheckpointError(str(index_path), "weight_map does not match the shards' contents")
         else:
-            names = sorted(p.name for p in self.path.iterdir() if p.suffix == ".safetensors" and p.is_file())
+            # Every *.safetensors entry is a shard: one that cannot be read (a dangling link, a link
+            # loop, a FIFO, a folder) is refused, not skipped, or digest and stats would quietly
+            # cover fewer tensors than the folder has.
+            names = sorted(p.name for p in self.path.iterdir() if p.suffix == ".safetensors")
+            for n in names:
+                problem = unreadable(self.path / n)
+                if problem is not None:
+                    raise InvalidCheckpointError(str(self.path / n), problem)
             if not names:
                 pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
                 if pickles:

@@ -24,7 +24,7 @@ Why not read with pread into buffers instead: on the benchmark VM, make and
 apply then hold their tensors in flight in private memory (about 1 GiB for
 the 1 GiB pair's two 250 MiB tensors, base and target, two at once), and
 fresh memory costs 0.6 to 1.6 s per GiB there: make took 2.8x as long,
-apply 1.18x (docs/BENCHMARKS.md, issue 23).
+apply 1.18x (issue 23; figures in the commit that added this module).
 
 The handler is a few lines of LLVM IR compiled by llvmlite (Numba's own
 compiler; about 7 ms), so that it needs neither the GIL nor a C compiler.

@@ -140,8 +140,91 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "pipe.safetensors")
     with pytest.raises(InvalidCheckpointError, match="not a regular file"):
         Checkpoint(tmp_path / "pipe.safetensors")
-    with pytest.raises(InvalidCheckpointError, match="no .safetensors files"):
-        Checkpoint(tmp_path)  # a folder lists regular files only
+    with pytest.raises(InvalidCheckpointError, match="pipe.safetensors: not a regular file"):
+        Checkpoint(tmp_path)  # a shard of a folder too, refused by name, not skipped
+
+
+def _unreadable_entry(folder, kind: str):
+    """An entry of `folder` named like a shard that cannot be read as one."""
+    path = folder / "model-00002-of-00002.safetensors"
+    if kind == "dangling link":
+        path.symlink_to(folder / "gone.safetensors")
+    elif kind == "link loop":
+        path.symlink_to(path.name)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    return path
+
+
+UNREADABLE = {"dangling link": "dangling symbolic link", "link loop": "symbolic link loop",
+              "fifo": "not a regular file", "folder": "a folder, not a file"}
+
+
+@pytest.mark.parametrize("kind", UNREADABLE)
+def test_unreadable_shards_of_a_folder_without_index_are_refused(tmp_path, kind):
+    """They were skipped in silence: digest and stats covered fewer tensors than the folder has (issue 23)."""
+    rng = np.random.default_rng(24)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    save({"a": random_tensor(rng, "F32", (4,))}, folder / "model-00001-of-00002.safetensors")
+    path = _unreadable_entry(folder, kind)
+    with pytest.raises(InvalidCheckpointError) as caught:
+        Checkpoint(folder)
+    assert str(path) in str(caught.value) and UNREADABLE[kind] in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", [*UNREADABLE, "file"])
+def test_index_that_cannot_be_read_is_refused_not_ignored(tmp_path, kind):
+    """An index that is a folder (or a link to nowhere, a FIFO) was ignored and the folder read as if it
+    had none; a shard the index lists that is not a file was called missing."""
+    rng = np.random.default_rng(25)
+    folder = save_sharded({"a": random_tensor(rng, "F32", (2,)), "b": random_tensor(rng, "F32", (2,))},
+                          tmp_path / "m", 2)
+    if kind == "file":  # the index is fine; the second shard it lists is a folder
+        shard = folder / "model-00002-of-00002.safetensors"
+        shard.unlink()
+        shard.mkdir()
+        with pytest.raises(InvalidCheckpointError, match=f"{shard}: a folder, not a file"):
+            Checkpoint(folder)
+        return
+    index = folder / "model.safetensors.index.json"
+    index.unlink()
+    if kind == "dangling link":
+        index.symlink_to(folder / "gone.json")
+    elif kind == "link loop":
+        index.symlink_to(index.name)
+    elif kind == "fifo":
+        os.mkfifo(index)
+    else:
+        index.mkdir()
+    with pytest.raises(InvalidCheckpointError) as caught:
+        Checkpoint(folder)
+    assert str(index) in str(caught.value) and UNREADABLE[kind] in str(caught.value)
+
+
+@pytest.mark.parametrize("command", ["digest", "stats", "make", "apply"])
+def test_unreadable_shard_is_one_line_for_every_command(tmp_path, command):
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(26)
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for folder in (good, bad):
+        folder.mkdir()
+        save({"a": random_tensor(rng, "F32", (4,))}, folder / "model-00001-of-00002.safetensors")
+    path = _unreadable_entry(bad, "dangling link")
+    patch = tmp_path / "p.pulsediff"
+    if command == "apply":
+        make_patch(good, good, patch, device="cpu")
+    args = {"digest": ["digest", bad], "stats": ["stats", good, bad], "make": ["make", good, bad, "-o", patch],
+            "apply": ["apply", bad, patch, "-o", tmp_path / "out"]}[command]
+    proc = subprocess.run([sys.executable, "-m", "pulsediff", *map(str, args)], capture_output=True, timeout=300)
+    lines = proc.stderr.decode().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr.decode()
+    assert str(path) in lines[0] and "dangling symbolic link" in lines[0]
+    assert not (tmp_path / "out").exists() and (command == "apply" or not patch.exists())
 
 
 def test_folder_file_reads_are_exact_and_bounded(tmp_path, monkeypatch):
