@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import select
+import subprocess
 import sys
 import time
 
@@ -85,3 +88,58 @@ def test_ctrl_c_during_apply_restores_the_terminal(big_pair, tmp_path):
     code, out = on_pty(["apply", old, tmp_path / "p", "-o", tmp_path / "out"], ctrl_c_after=HIDE)
     assert_terminal_restored(code, out)
     assert not (tmp_path / "out").exists()
+
+
+# -- tables at 80 columns ----------------------------------------------------------------------------
+
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def screen_lines(out: bytes) -> list[str]:
+    return re.split(r"\r\n|\r|\n", ANSI.sub(b"", out).decode())  # a bar redraws its line after a \r
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory):
+    """A small Llama-shaped series: Hugging Face's long tensor names, numbers with separators."""
+    from pulsediff.example import make_example_series
+
+    folder = tmp_path_factory.mktemp("series")
+    make_example_series(folder, steps=2, d_model=64, n_heads=4, n_layers=2, vocab=512, warmup_steps=3)
+    return folder
+
+
+def assert_fits(lines: list[str], width: int = 80) -> None:
+    assert all(len(line) <= width for line in lines), "\n".join(line for line in lines if len(line) > width)
+    assert not any("\u2026" in line for line in lines), "\n".join(lines)  # nothing cut short with an ellipsis
+
+
+def test_patch_tables_fit_80_columns_with_every_value_whole(series, tmp_path):
+    patch = tmp_path / "p"
+    assert on_pty(["make", series / "step_000000.safetensors", series / "step_000001.safetensors", "-o", patch,
+                   "-q"])[0] == 0
+    code, out = on_pty(["stats", patch, "--top", "3"], columns=80)
+    assert code == 0
+    lines = screen_lines(out)
+    assert_fits(lines)
+    assert not any(re.fullmatch(r"[ ┃]*┃[ ┃]*", line) for line in lines)  # no header row without names
+    stats = json.loads(subprocess.run([*PULSEDIFF, "stats", str(patch), "--json"], capture_output=True,
+                                      check=True).stdout)
+    text = "\n".join(lines)
+    top = sorted(stats["per_tensor"], key=lambda t: (-(t["index_bytes"] + t["value_bytes"]), t["name"]))[:3]
+    for t in top:  # each listed tensor on one line with its name and its count of changed elements whole
+        assert re.search(rf"^{re.escape(t['name'])} .* {t['changed']:,} ", text, re.M), text
+    assert f"{stats['changed']:,} of {stats['elements']:,}" in text
+
+
+def test_series_tables_fit_80_columns_with_every_value_whole(series):
+    code, out = on_pty(["stats", series], columns=80)
+    assert code == 0
+    lines = screen_lines(out)
+    assert_fits(lines)
+    stats = json.loads(subprocess.run([*PULSEDIFF, "stats", str(series), "--json"], capture_output=True,
+                                      check=True).stdout)
+    text = "\n".join(lines)
+    for d in stats["step_density"]:
+        assert re.search(rf"^{d['from']} -> {d['to']} .* {d['changed']:,} .* {100 * d['density']:.4f}% .* "
+                         rf"{d['bits_per_changed']:.2f}$", text, re.M), text

@@ -7,6 +7,7 @@ progress and errors go to stderr, so that `-o -` can stream a patch on stdout.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -63,8 +64,10 @@ class Output:
         if self._out is None:
             from rich.console import Console
 
-            # Piped output is read by people too (CI logs): do not squeeze it into 80 columns.
-            self._out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+            # Piped output is read by people too (CI logs): do not squeeze it into 80 columns,
+            # unless COLUMNS says how wide to be.
+            wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
+            self._out = Console(highlight=False, width=None if wide else 160)
         return self._out
 
     def info(self, message: str) -> None:
@@ -83,14 +86,31 @@ class Output:
     def json(self, data: Any) -> None:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
-    def table(self, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> None:
+    def table(self, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = (),
+              drop: Sequence[int] = ()) -> None:
+        """A table that fits the terminal without cutting a value.
+
+        While it is wider than the terminal, the columns in `drop` are left out, in that order; if it is still
+        too wide, the first column (names) wraps onto more lines. Other cells are never cut or wrapped (a
+        number cut to "1,475,2…" is worse than none). A table whose columns have no names has no header row.
+        """
+        from rich.measure import Measurement
         from rich.table import Table
 
-        table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-        for i, col in enumerate(columns):
-            table.add_column(col, justify="right" if i in right else "left", no_wrap=(i == 0))
-        for row in rows:
-            table.add_row(*(str(c) for c in row))
+        rows = [[str(c) for c in row] for row in rows]
+        shown = list(range(len(columns)))
+        for i in [*drop, None]:
+            table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False,
+                          show_header=any(columns))
+            for k in shown:
+                table.add_column(columns[k], justify="right" if k in right else "left", no_wrap=(k != 0),
+                                 overflow="fold")
+            for row in rows:
+                table.add_row(*(row[k] for k in shown))
+            natural = Measurement.get(self.out, self.out.options.update_width(1 << 16), table).maximum
+            if i is None or natural <= self.out.width:
+                break
+            shown.remove(i)
         self.out.print(table)
 
     def progress(self) -> Progress:

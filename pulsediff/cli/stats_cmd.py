@@ -82,7 +82,7 @@ def stats(
         [(t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", t.op, f"{t.changed:,}", f"{100 * t.density:.3f}%",
           human_bytes(t.index_bytes), human_bytes(t.value_bytes),
           f"{8 * t.bytes / t.changed:.2f}" if t.changed else "-") for t in rows],
-        right=(4, 5, 6, 7, 8),
+        right=(4, 5, 6, 7, 8), drop=(6, 7, 3, 1, 2),  # at 80 columns: the byte split, op, dtype, shape
     )
 
 
@@ -142,7 +142,7 @@ def _series(folder: Path, precision: str, codec: str, device: str, plot: Optiona
               [(f"{d['from']} -> {d['to']}", f"{d['changed']:,}", f"{d['total']:,}", f"{100 * d['density']:.4f}%",
                 human_bytes(d["patch_bytes"]), human_bytes(d["dense_bytes"]), f"{d['ratio']:.1f}x",
                 f"{d['bits_per_changed']:.2f}" if d["bits_per_changed"] else "-") for d in s.step_density],
-              right=range(1, 8))
+              right=range(1, 8), drop=(2, 5, 1))  # at 80 columns: the totals, then the count
     out.table("k steps apart", ["k (t vs t+k)", "pairs", "density"],
               [(d["k"], d["pairs"], f"{100 * d['density']:.4f}%") for d in s.k_step_density], right=(0, 1, 2))
     out.table("by layer type (all steps)", ["layer type", "elements", "density", "patch bytes", "share"],
