@@ -47,6 +47,10 @@ PICKLE_ADVICE = (
     "safetensors.torch.save_file(torch.load(PATH, weights_only=True), 'model.safetensors')"
 )
 
+# A patch given where a checkpoint belongs (its magic would otherwise read as a header length of 5e18).
+PATCH_ADVICE = ("it is a pulsediff patch, not a checkpoint; apply it to its base (pulsediff apply BASE {path} -o OUT) "
+                "or look inside (pulsediff stats {path})")
+
 
 def looks_like_pickle(prefix: bytes) -> bool:
     """True for the first bytes of a torch.save file. Never unpickles anything.
@@ -207,7 +211,10 @@ class Checkpoint:
                 raw = f.read(n)
                 header = parse_header(raw, size - 8 - n)
             except HeaderError as exc:
-                raise InvalidCheckpointError(str(path), str(exc)) from None
+                from .format import MAGIC  # only now: what was given instead of a checkpoint
+
+                reason = PATCH_ADVICE.format(path=path) if prefix.startswith(MAGIC) else str(exc)
+                raise InvalidCheckpointError(str(path), reason) from None
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
         shard = ShardFile(name, path, header, mapping)
         if mapping is not None:

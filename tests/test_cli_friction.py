@@ -187,3 +187,21 @@ def test_dry_run_needs_no_output_and_does_not_say_applied(pair, tmp_path):
     # without -n, an output is still needed
     line = one_line_error(run("apply", old, tmp_path / "p", check=False), 2)
     assert "give -o OUT or --in-place" in line
+
+
+# -- a patch where a checkpoint belongs --------------------------------------------------------------
+
+
+def test_a_patch_given_as_a_checkpoint_is_recognised(pair, tmp_path):
+    old, new = pair
+    patch = tmp_path / "p.pulsediff"
+    run("make", old, new, "-o", patch, "-q")
+    for args in (("digest", patch), ("make", patch, new, "-o", tmp_path / "q"), ("make", old, patch, "-o", tmp_path / "q")):
+        line = one_line_error(run(*args, check=False), 1)
+        expected = f"{patch}: it is a pulsediff patch, not a checkpoint; apply it to its base (pulsediff apply BASE"
+        assert expected in line, args
+        assert "header length" not in line
+    # and the other way round: apply's arguments swapped
+    line = one_line_error(run("apply", patch, old, "-o", tmp_path / "out", check=False), 1)
+    assert f"{old} is a checkpoint, not a patch; the base comes first: pulsediff apply BASE PATCH -o OUT" in line
+    assert not (tmp_path / "out").exists()

@@ -46,3 +46,18 @@ def check_patch_paths(patches: list) -> None:
             raise InvalidPatchError(f"{path} is a folder, not a patch file")
         if not path.exists():
             raise CheckpointNotFoundError(str(path), "patch")
+        _refuse_checkpoint_as_patch(path)
+
+
+def _refuse_checkpoint_as_patch(path: Path) -> None:
+    """A checkpoint where a patch belongs (apply's arguments swapped, say): say so, not "bad magic bytes"."""
+    from ..checkpoint import looks_like_safetensors
+
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(9)
+    except OSError:
+        return  # reading the patch will say what is wrong
+    if looks_like_safetensors(prefix):
+        raise InvalidPatchError(f"{path} is a checkpoint, not a patch; the base comes first: "
+                                f"pulsediff apply BASE PATCH -o OUT")
