@@ -14,6 +14,14 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write(f"pulsediff: {MESSAGE}\n")
         raise SystemExit(130) from None
+    except Exception as exc:  # memory ran out while the CLI's modules loaded: the same one line as later
+        from pulsediff.errors import as_out_of_memory
+
+        oom = as_out_of_memory(exc)
+        if oom is None:
+            raise
+        sys.stderr.write(f"pulsediff: error: {oom}\n")
+        raise SystemExit(1) from None
     run()
 
 

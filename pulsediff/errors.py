@@ -149,6 +149,38 @@ class OutputError(PulsediffError, OSError):
     """Writing the output failed (disk full, permissions, ...). No partial output is left."""
 
 
+class OutOfMemoryError(PulsediffError, MemoryError):
+    """Memory ran out, whatever form it took: an allocation, a thread that could not start, a shared
+    library that could not be mapped while a module loaded (numba, torch: imported when first needed)."""
+
+
+def as_out_of_memory(exc: BaseException) -> OutOfMemoryError | None:
+    """`exc` as the OutOfMemoryError it is in disguise, else None.
+
+    Memory that runs out while a library loads does not raise MemoryError:
+    the dynamic loader fails with "failed to map segment from shared object"
+    (llvmlite then says it could not find libllvmlite.so), and a thread
+    whose stack cannot be mapped is "can't start new thread". Reported as
+    they come, the first looks like a broken install and the second like a
+    bug (exit 3). The causes and contexts are searched too.
+    """
+    import errno
+
+    seen = 0
+    while exc is not None and seen < 20:
+        text = str(exc)
+        if isinstance(exc, MemoryError):
+            return exc if isinstance(exc, OutOfMemoryError) else OutOfMemoryError("out of memory")
+        if isinstance(exc, RuntimeError) and "can't start new thread" in text:
+            return OutOfMemoryError("out of memory: cannot start a thread (or the limit on threads is reached)")
+        if isinstance(exc, OSError) and (exc.errno == errno.ENOMEM or "failed to map segment" in text
+                                         or "cannot allocate memory" in text.lower()):
+            return OutOfMemoryError(f"out of memory while loading a library ({text})")
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
 class DeviceUnavailableError(PulsediffError, RuntimeError):
     def __init__(self, reason: str):
         super().__init__(f"--device cuda was asked for, but no CUDA GPU is usable: {reason}")

@@ -19,7 +19,7 @@ import sys
 
 import typer
 
-from ..errors import PulsediffError, UsageError
+from ..errors import PulsediffError, UsageError, as_out_of_memory
 from . import apply_cmd, demo_cmd, digest_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
 from .output import restore_terminal
 
@@ -178,6 +178,8 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:
         if debug:
             raise
+        if not isinstance(exc, PulsediffError):
+            exc = as_out_of_memory(exc) or exc  # e.g. numba failing to load: not a bug, not a broken install
         _report(exc)
         return EXIT_BUG if not isinstance(exc, (PulsediffError, OSError, MemoryError)) else EXIT_ERROR
     if code == EXIT_INTERRUPTED:  # typer turned Ctrl-C into Exit(130)
