@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, TensorView
 from .codecs import DEFAULT_SPARSE_CODEC
-from .errors import MissingExtraError, UsageError
+from .errors import MissingExtraError, PulsediffError
 from .kernels import get_backend
 from .progress import SILENT, Progress
 from .series import DEFAULT_STEP_PATTERN, find_checkpoints
@@ -133,7 +133,10 @@ def series_stats(train_dir: Path, *, precision: str = "exact", pattern: str = DE
                  progress: Progress = SILENT) -> SeriesStats:
     checkpoints = find_checkpoints(train_dir, pattern)
     if len(checkpoints) < 2:
-        raise UsageError(f"{train_dir} holds {len(checkpoints)} complete checkpoints; series statistics need 2 or more")
+        # A problem of the folder's contents (exit 1), not of the command line.
+        n = len(checkpoints)
+        raise PulsediffError(f"{train_dir} holds {n} checkpoint{'' if n == 1 else 's'} with a step number in its name "
+                             "(step_N.safetensors or step_N/); series statistics need 2 or more")
     steps = [s for s, _ in checkpoints]
     # Consecutive pairs: the patches themselves, made in memory (their counts are the k = 1 densities).
     step_density = []

@@ -205,3 +205,25 @@ def test_a_patch_given_as_a_checkpoint_is_recognised(pair, tmp_path):
     line = one_line_error(run("apply", patch, old, "-o", tmp_path / "out", check=False), 1)
     assert f"{old} is a checkpoint, not a patch; the base comes first: pulsediff apply BASE PATCH -o OUT" in line
     assert not (tmp_path / "out").exists()
+
+
+# -- stats on folders --------------------------------------------------------------------------------
+
+
+def test_stats_on_a_single_file_model_folder_says_it_is_a_checkpoint(pair, tmp_path):
+    """config.json + model.safetensors, no index: one checkpoint (make takes it), as a sharded folder is."""
+    old, _ = pair
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(old.read_bytes())
+    (folder / "config.json").write_text("{}")
+    line = one_line_error(run("stats", folder, check=False), 2)
+    assert f"{folder} is a checkpoint (a model folder), not a patch or a series folder; give OLD NEW" in line
+
+
+def test_stats_on_a_folder_with_one_step_is_an_input_error(train, tmp_path):
+    for p in train.iterdir():
+        if p.name != "step_000001.safetensors":
+            p.unlink()
+    line = one_line_error(run("stats", train, check=False), 1)
+    assert f"{train} holds 1 checkpoint with a step number in its name" in line

@@ -31,8 +31,8 @@ def stats(
 
     out = Output(quiet=quiet, as_json=as_json)
     if second is None and first.is_dir():
-        if _is_checkpoint_folder(first):
-            raise UsageError(f"{first} is a checkpoint (a folder of shards), not a patch or a series folder; "
+        if _is_checkpoint_folder(first, step_pattern):
+            raise UsageError(f"{first} is a checkpoint (a model folder), not a patch or a series folder; "
                              "give OLD NEW to compare two checkpoints")
         return _series(first, precision, codec, device, plot, step_pattern, out)
     if plot is not None:
@@ -86,14 +86,22 @@ def stats(
     )
 
 
-def _is_checkpoint_folder(folder: Path) -> bool:
-    """A folder that is one checkpoint (shards with their index, or HF-named shards), not a series of them."""
+def _is_checkpoint_folder(folder: Path, step_pattern: Optional[str]) -> bool:
+    """A folder that is one checkpoint, not a series of them: shards with their index, HF-named shards, or
+    .safetensors files none of whose names carries a step number (a model folder's model.safetensors)."""
     from ..checkpoint import INDEX_NAME
+    from ..series import DEFAULT_STEP_PATTERN, step_in_name
 
     if (folder / INDEX_NAME).is_file():
         return True
     files = [p.name for p in folder.iterdir() if p.suffix == ".safetensors" and p.is_file()]
-    return bool(files) and all(_SHARD_NAME.search(name) for name in files)
+    try:
+        regex = re.compile(step_pattern or DEFAULT_STEP_PATTERN)
+    except re.error:
+        regex = None
+    if regex is None or regex.groups < 1:  # a bad pattern is refused later, with its own message
+        regex = re.compile(DEFAULT_STEP_PATTERN)
+    return bool(files) and all(_SHARD_NAME.search(name) or step_in_name(name, regex) is None for name in files)
 
 
 _SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
