@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from . import mapped
-from .errors import OutputError, PulsediffError
+from .errors import OutputError
 
 # O_DIRECT wants buffers, offsets and lengths aligned to the logical block size;
 # 4096 covers every common device. Staged in 8 MiB (a multiple of it) at a time,
@@ -110,21 +110,23 @@ class StagedFiles:
             raise output_error(final, exc) from None
         try:
             os.fchmod(fd, _mode_for(final))
-            if direct and _set_direct(fd):
-                with _DirectWriter(fd) as f:
-                    yield f
-                    f.finish()
-                    os.fsync(fd)
-            else:
-                try:
-                    yield _PieceWriter(fd)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        except PulsediffError:
-            raise  # the caller's own, e.g. an input that changed while it was read: not a write error
+            direct = direct and _set_direct(fd)
         except OSError as exc:
+            os.close(fd)
             raise output_error(final, exc) from None
+        # What the caller raises goes through as it is: a read error of its input is not a write
+        # error of OUT. The writers turn their own failures into OutputErrors naming `final`.
+        if direct:
+            with _DirectWriter(fd, final) as f:
+                yield f
+                f.finish()
+                _fsync(fd, final)
+        else:
+            try:
+                yield _PieceWriter(fd, final)
+                _fsync(fd, final)
+            finally:
+                os.close(fd)
 
     def commit(self) -> None:
         """Rename everything into place. Several changes in one existing folder (an in-place apply to a
@@ -369,16 +371,27 @@ def _set_direct(fd: int) -> bool:
 _BUFFERED_PIECE = 256 << 10
 
 
+def _fsync(fd: int, final: Path) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise output_error(final, exc) from None
+
+
 class _PieceWriter:
     """Unbuffered sequential writes to a descriptor without O_DIRECT (`_pwrite_all` cuts them in pieces)."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, final: Path):
         self.fd = fd
+        self.final = final  # what a failed write names
         self._offset = 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        _pwrite_all(self.fd, view, self._offset)
+        try:
+            _pwrite_all(self.fd, view, self._offset)
+        except OSError as exc:
+            raise output_error(self.final, exc) from None
         self._offset += len(view)
         return len(view)
 
@@ -394,13 +407,14 @@ class _DirectWriter:
     refuses the first write (EINVAL) gets the same bytes without O_DIRECT.
     """
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, final: Path):
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
         from .memory import fresh_buffer  # numpy: only the large-output path needs it
 
         self.fd = fd
+        self.final = final  # what a failed write names
         self._fresh = fresh_buffer
         self._pending = deque()  # (future, stage), oldest first
         try:
@@ -424,7 +438,10 @@ class _DirectWriter:
             self.fill += n
             done += n
             if self.fill == _DIRECT_STAGE:
-                self._send(_DIRECT_STAGE)
+                try:
+                    self._send(_DIRECT_STAGE)  # may report an earlier stage's failed write
+                except OSError as exc:
+                    raise output_error(self.final, exc) from None
         self.size += src.size
         return src.size
 
@@ -443,15 +460,18 @@ class _DirectWriter:
             future.result()
 
     def finish(self) -> None:
-        if self.fill:
-            tail = self.fill
-            padded = -(-tail // _DIRECT_BLOCK) * _DIRECT_BLOCK
-            self.buf[tail:padded] = 0
-            self._send(padded, last=True)
-        while self._pending:
-            future, _ = self._pending.popleft()
-            future.result()
-        os.ftruncate(self.fd, self.size)
+        try:
+            if self.fill:
+                tail = self.fill
+                padded = -(-tail // _DIRECT_BLOCK) * _DIRECT_BLOCK
+                self.buf[tail:padded] = 0
+                self._send(padded, last=True)
+            while self._pending:
+                future, _ = self._pending.popleft()
+                future.result()
+            os.ftruncate(self.fd, self.size)
+        except OSError as exc:
+            raise output_error(self.final, exc) from None
 
     def __enter__(self) -> "_DirectWriter":
         return self

@@ -91,6 +91,15 @@ class TruncatedPatchError(InvalidPatchError):
         super().__init__(f"patch {source} is truncated ({what})")
 
 
+class PatchReadError(PulsediffError, OSError):
+    """Reading a patch failed (an I/O error, a connection or file system that went away)."""
+
+    def __init__(self, source: str, reason: str):
+        self.source = source
+        self.reason = reason
+        super().__init__(f"cannot read patch {source}: {reason}")
+
+
 class CorruptPatchError(InvalidPatchError):
     def __init__(self, source: str, what: str):
         super().__init__(f"patch {source} is corrupt: {what}")

@@ -23,6 +23,7 @@ from . import strict_json
 from .errors import (
     CorruptPatchError,
     NotAPatchError,
+    PatchReadError,
     TruncatedPatchError,
     UnsupportedVersionError,
 )
@@ -109,10 +110,16 @@ class PatchReader:
         self.header = _decode_header_frame(frame, source)
         self.sections_start = self._pos
 
+    def _failed(self, exc: OSError) -> PatchReadError:
+        return PatchReadError(self.source, exc.strerror or str(exc))
+
     def _read_exact(self, n: int, what: str) -> bytes:
         chunks, left = [], n
         while left:
-            chunk = self.stream.read(min(left, 1 << 24))
+            try:
+                chunk = self.stream.read(min(left, 1 << 24))
+            except OSError as exc:
+                raise self._failed(exc) from None
             if not chunk:
                 raise TruncatedPatchError(self.source, f"ends inside the {what}")
             chunks.append(chunk)
@@ -132,7 +139,10 @@ class PatchReader:
 
     def read_section(self, ref: SectionRef, what: str) -> bytes:
         """Random access (seekable files only)."""
-        self.stream.seek(self.sections_start + ref.offset)
+        try:
+            self.stream.seek(self.sections_start + ref.offset)
+        except OSError as exc:
+            raise self._failed(exc) from None
         self._pos = self.sections_start + ref.offset
         return self.read_next(ref, what)
 
@@ -140,7 +150,10 @@ class PatchReader:
         """For random access: the file must end right after the last section."""
         import os
 
-        size = os.fstat(self.stream.fileno()).st_size
+        try:
+            size = os.fstat(self.stream.fileno()).st_size
+        except OSError as exc:
+            raise self._failed(exc) from None
         if size < self.sections_start + sections_length:
             raise TruncatedPatchError(self.source, "ends before its last section")
         if size > self.sections_start + sections_length:
@@ -150,7 +163,11 @@ class PatchReader:
         """The stream must end right after the last section: trailing bytes mean damage."""
         if self._pos != self.sections_start + sections_length:
             raise CorruptPatchError(self.source, "sections do not end where the header says")
-        if self.stream.read(1):
+        try:
+            more = self.stream.read(1)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        if more:
             raise CorruptPatchError(self.source, "unexpected bytes after the last section")
 
 

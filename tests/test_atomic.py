@@ -285,3 +285,58 @@ def test_memory_hints_leave_maps_whole_and_closable(tmp_path):
     assert buf.size == 3 << 20 and not buf.any()
     buf[:] = 7
     assert (buf == 7).all()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_read_error_inside_an_output_is_not_called_a_write_error(tmp_path, direct):
+    """StagedFiles.open reported any OSError raised while its file was open as "cannot write OUT",
+    even one the caller raised reading its input (issue 23): it goes through as it is now, and the
+    temporary goes; the writer's own failures still name OUT."""
+    read_error = OSError(errno.EIO, os.strerror(errno.EIO), "input.bin")
+    with pytest.raises(OSError) as caught:
+        with StagedFiles() as staged:
+            with staged.open(tmp_path / "out.bin", direct=direct) as f:
+                f.write(b"x" * 10_000)
+                raise read_error
+    assert caught.value is read_error and not isinstance(caught.value, OutputError)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_patch_that_cannot_be_read_while_applied_names_the_patch(tmp_path):
+    """A read error of the patch in the middle of apply (its output open) was "cannot write OUT"."""
+    import io
+
+    from ckpt_factory import mutate, random_tensor, save
+    from pulsediff import apply_patch, make_patch
+    from pulsediff.errors import PatchReadError
+
+    rng = np.random.default_rng(41)
+    base = {f"w{i}": random_tensor(rng, "BF16", (256, 256)) for i in range(4)}
+    old = save(base, tmp_path / "old.safetensors")
+    new = save({k: mutate(rng, v, 0.05) for k, v in base.items()}, tmp_path / "new.safetensors")
+    patch = tmp_path / "p.pulsediff"
+    make_patch(old, new, patch, device="cpu")
+    data = patch.read_bytes()
+
+    class FailingStream(io.RawIOBase):
+        """The patch's bytes, then EIO two thirds of the way in."""
+
+        def __init__(self):
+            self.pos = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            if self.pos >= 2 * len(data) // 3:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            n = min(len(b), 2 * len(data) // 3 - self.pos, 4096)
+            b[:n] = data[self.pos:self.pos + n]
+            self.pos += n
+            return n
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(PatchReadError, match="cannot read patch .*Input/output error"):
+        apply_patch(old, io.BufferedReader(FailingStream()), out / "new.safetensors", device="cpu")
+    assert list(out.iterdir()) == []
