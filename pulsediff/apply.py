@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -49,7 +49,7 @@ from .safetensors_io import HeaderError, parse_header
 class ApplyResult:
     status: str  # "applied", "up-to-date", or for a dry run that would write, "would-apply"
     output: Path | None  # None: a dry run given no output
-    header: PatchHeader  # the last patch applied (its target is the output)
+    header: PatchHeader = field(repr=False)  # the last patch applied (its target is the output)
     links_applied: int = 1
     base_is_target: bool = False  # the base already was the target (a patch made with OLD and NEW swapped?)
     dry_run: bool = False  # everything was checked, nothing written

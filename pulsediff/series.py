@@ -157,6 +157,7 @@ class PublishReport:
     patches: int = 0
     anchors: int = 0
     pruned: int = 0
+    steps: list[int] = field(default_factory=list)  # the steps published, in order (a dry run: would be)
     pending: dict[str, str] = field(default_factory=dict)  # checkpoint name -> why it is not published yet
     skipped: dict[str, str] = field(default_factory=dict)  # named like a step, complete, but no checkpoint
     would_write: list[str] = field(default_factory=list)  # dry run: the files a real run would publish, in order
@@ -250,6 +251,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
             report.would_write += [name for _, name, _, _ in planned]
             report.patches += sum(kind == "patch" for kind, *_ in planned)
             report.anchors += sum(kind == "anchor" for kind, *_ in planned)
+            report.steps.append(step)
             steps_done.append(step)
             prev, last_step = path, step
             planned_kinds.extend((kind, step, name) for kind, name, _, _ in planned)
@@ -281,6 +283,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         dest.save_manifest(manifest)  # last: the files it names are already in place
         report.patches += sum(e.kind == "patch" for e in new_entries)
         report.anchors += sum(e.kind == "anchor" for e in new_entries)
+        report.steps.append(step)
         steps_done.append(step)
         digest_at[step] = new_entries[0].target
         prev, last_step = path, step
@@ -354,7 +357,7 @@ def _publish_loop(train_dir, dest: Store, watch, interval, idle_exit, on_report,
     started = time.monotonic()
     while True:
         report = publish_once(train_dir, dest, **kwargs)
-        for name in ("patches", "anchors", "pruned"):
+        for name in ("patches", "anchors", "pruned", "steps"):
             setattr(total, name, getattr(total, name) + getattr(report, name))
         total.pending, total.skipped = report.pending, report.skipped
         if report.patches or report.anchors:

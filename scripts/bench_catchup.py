@@ -279,17 +279,16 @@ class Op:
 
 
 def catch_up_choice(pulsediff: list[str], ckpt: Path, pub: Path, out: Path, newest: Path) -> dict:
-    """Run catch-up once, untimed and without -q, and read the files it applied from its stderr."""
+    """Run catch-up once, untimed, and read the files it applied from its --json report."""
     remove(out)
-    env = {**os.environ, "COLUMNS": "100000"}  # rich wraps its messages at 80 columns otherwise
-    proc = subprocess.run([*pulsediff, "catch-up", str(ckpt), str(pub), "-o", str(out)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.run([*pulsediff, "catch-up", str(ckpt), str(pub), "-o", str(out), "--json"],
+                          capture_output=True, text=True)
     said = " ".join(proc.stderr.split())
     if proc.returncode != 0:
         sys.exit(f"bench_catchup: catch-up failed ({proc.returncode}): {said}")
-    m = re.search(r"applied (\d+) files from (.+?) \(([^)]*)\)", said)
-    files = [f.strip() for f in m.group(3).split(",")] if m else []
-    return {"stderr": said, "files": files, "from": m.group(2) if m else None,
+    report = json.loads(proc.stdout)
+    files = report["files"]
+    return {"stderr": said, "files": files, "from": "an anchor" if report["from_anchor"] else str(ckpt),
             "bytes": sum((pub / f).stat().st_size for f in files), "cmp_ok": identical(out, newest)}
 
 

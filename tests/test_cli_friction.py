@@ -58,7 +58,7 @@ def test_publish_passes_over_folders_that_hold_no_checkpoint(train, tmp_path):
     (train / "logs2" / "run.log").write_text("loss 1.0\n")
     (train / "events_v1").mkdir()
     proc = run("publish", train, tmp_path / "out", "--settle", "0", "--anchor-every", "2")
-    assert "published 3 patches and 2 anchors" in proc.stderr  # steps 0 to 2, a skip patch 0 -> 2
+    assert f"published steps 0 to 2 into {tmp_path / 'out'}: 3 patches and 2 anchors" in proc.stderr  # a skip 0 -> 2
     assert (tmp_path / "out" / "manifest.json").is_file()
 
 
@@ -227,3 +227,69 @@ def test_stats_on_a_folder_with_one_step_is_an_input_error(train, tmp_path):
             p.unlink()
     line = one_line_error(run("stats", train, check=False), 1)
     assert f"{train} holds 1 checkpoint with a step number in its name" in line
+
+
+# -- smaller things -----------------------------------------------------------------------------------
+
+
+def test_counts_are_said_in_the_singular_for_one(train, tmp_path):
+    for p in train.iterdir():
+        if p.name != "step_000000.safetensors":
+            p.unlink()
+    proc = run("publish", train, tmp_path / "out", "--settle", "0")
+    assert proc.stderr == f"published step 0 into {tmp_path / 'out'}: 0 patches and 1 anchor\n"
+
+
+def test_catch_up_says_what_it_applied_to_what(train, published, tmp_path):
+    fresh = tmp_path / "fresh.safetensors"
+    proc = run("catch-up", fresh, published)
+    assert proc.stderr == (f"{fresh} is now at step 2: rebuilt from an anchor (anchor-00000000.pulsediff), then "
+                           "1 patch (patch-00000000-00000002.pulsediff)\n")
+    worker = tmp_path / "worker.safetensors"
+    worker.write_bytes((train / "step_000001.safetensors").read_bytes())
+    proc = run("catch-up", worker, published)
+    assert proc.stderr == (f"{worker} is now at step 2: applied 1 patch to {worker} "
+                           "(patch-00000001-00000002.pulsediff)\n")
+
+
+def test_help_names_arguments_and_metavars_as_shown():
+    stats_help = run("stats", "--help", env={"COLUMNS": "200"}).stdout
+    assert "FIRST" not in stats_help and "when the first argument is OLD" in stats_help
+    publish_help = run("publish", "--help", env={"COLUMNS": "200"}).stdout
+    assert "--keep N" in " ".join(publish_help.split()) and "newest N anchors" in publish_help
+
+
+def test_apply_result_repr_is_short(pair, tmp_path):
+    from pulsediff import apply_patch, make_patch
+
+    old, new = pair
+    make_patch(old, new, tmp_path / "p", device="cpu")
+    result = apply_patch(old, tmp_path / "p", tmp_path / "out.safetensors", device="cpu")
+    assert repr(result).startswith("ApplyResult(status='applied', output=PosixPath(")
+    assert "header" not in repr(result) and len(repr(result)) < 300
+
+
+def test_progress_rate_waits_for_a_meaningful_average():
+    from types import SimpleNamespace
+
+    from pulsediff.cli.output import SPEED_AFTER_S, _average_speed_column
+
+    column = _average_speed_column()
+    assert str(column.render(SimpleNamespace(elapsed=0.001, completed=600 * 10**6))) == "?"  # was "600.0 GB/s"
+    assert str(column.render(SimpleNamespace(elapsed=2 * SPEED_AFTER_S, completed=10**9))) == \
+        f"{10**9 / (2 * SPEED_AFTER_S) / 10**9:.1f} GB/s"
+
+
+def test_readme_runs_leave_nothing_git_would_list():
+    """What README.md's blocks write in the repository's folder is in .gitignore."""
+    root = Path(__file__).parent.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    readme = (root / "README.md").read_text()
+    made = ["train/", "outbox/", "inbox/", "s3root/", "s3.log", "cdn.log", "series.png", "model.safetensors",
+            "worker1.safetensors", "worker2.safetensors"]
+    for name in made:
+        assert name.rstrip("/") in readme, name  # still made by a README block
+        probe = name + "x" if name.endswith("/") else name  # a file inside the folder
+        proc = subprocess.run(["git", "check-ignore", "-q", "--no-index", probe], cwd=root)
+        assert proc.returncode == 0, f"{name} is not ignored"

@@ -438,7 +438,8 @@ def test_cli_json_for_publish_plan_and_catch_up(series, tmp_path):
     assert done.stderr == b"" and worker.read_bytes() == ckpt(train, STEPS).read_bytes()
     again = json.loads(subprocess.run([*cli, "publish", str(train), str(pub), "--json", "--settle", "0"],
                                       capture_output=True, check=True).stdout)
-    assert again == {"out_dir": str(pub), "patches": 0, "anchors": 0, "pruned": 0, "pending": {}, "skipped": {}}
+    assert again == {"out_dir": str(pub), "steps": [], "patches": 0, "anchors": 0, "pruned": 0, "pending": {},
+                     "skipped": {}}
 
 
 def test_publish_dry_run_writes_nothing_and_lists_what_a_real_run_writes(tmp_path):

@@ -143,3 +143,18 @@ def test_series_tables_fit_80_columns_with_every_value_whole(series):
     for d in stats["step_density"]:
         assert re.search(rf"^{d['from']} -> {d['to']} .* {d['changed']:,} .* {100 * d['density']:.4f}% .* "
                          rf"{d['bits_per_changed']:.2f}$", text, re.M), text
+
+
+def test_a_fresh_worker_shows_no_empty_bar(tmp_path):
+    """catch-up from an anchor hashes the empty checkpoint first: no 'hash 0/0' bar for that."""
+    from ckpt_factory import save_series
+
+    train = tmp_path / "train"
+    train.mkdir()
+    save_series(train, 1, seed=4, shape=(64, 32), tensors=2, density=0.02)
+    assert subprocess.run([*PULSEDIFF, "publish", str(train), str(tmp_path / "pub"), "--settle", "0", "-q"]).returncode == 0
+    code, out = on_pty(["catch-up", tmp_path / "fresh.safetensors", tmp_path / "pub"])
+    assert code == 0, out
+    text = "\n".join(screen_lines(out))
+    assert "is now at step 1" in text
+    assert " 0/0 " not in text, text

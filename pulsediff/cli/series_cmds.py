@@ -10,7 +10,7 @@ import typer
 from ..errors import PulsediffError
 from .checks import check_output
 from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
-from .output import Output
+from .output import Output, plural
 
 
 def publish(
@@ -19,7 +19,7 @@ def publish(
                        "(rsync it), or s3://bucket/prefix (endpoint, region and keys from the AWS_* variables or "
                        "AWS_PROFILE).")],
     anchor_every: Annotated[int, typer.Option("--anchor-every", help="Write a full anchor every N steps.")] = 10,
-    keep: Annotated[Optional[int], typer.Option("--keep", help="Keep only the newest K anchors and what follows them.")] = None,
+    keep: Annotated[Optional[int], typer.Option("--keep", help="Keep only the newest N anchors and what follows them.")] = None,
     skips: Annotated[bool, typer.Option("--skips/--no-skips", help="Also write skip patches (from 2, 4, 8, ... steps back) so that catch-up needs few links.")] = True,
     watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
@@ -45,14 +45,18 @@ def publish(
 
     out = Output(quiet=quiet or as_json, as_json=as_json)
 
-    def said(report) -> None:
-        out.info(f"published {report.patches} patches and {report.anchors} anchors into {out_dir}")
+    def said(report) -> None:  # once per look that published something (a later one: steps that had to settle)
+        steps = report.steps
+        which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
+        out.info(f"published {which} into {out_dir}: {plural(report.patches, 'patch', 'patches')} and "
+                 f"{plural(report.anchors, 'anchor')}")
 
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
                 anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device,
                 pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, **({"dry_run": True} if dry_run else {}))
     if as_json:
-        out.json({"out_dir": str(out_dir), "patches": total.patches, "anchors": total.anchors, "pruned": total.pruned,
+        out.json({"out_dir": str(out_dir), "steps": total.steps, "patches": total.patches, "anchors": total.anchors,
+                  "pruned": total.pruned,
                   "pending": total.pending, "skipped": total.skipped,
                   **({"dry_run": True, "would_write": total.would_write, "would_prune": total.would_prune}
                      if dry_run else {})})
@@ -67,7 +71,7 @@ def publish(
     for name, why in total.pending.items():
         out.info(f"not published yet: {name} ({'still being written' if why == 'settling' else why})")
     if total.pruned:
-        out.info(f"pruned {total.pruned} files older than the newest {keep} anchors")
+        out.info(f"pruned {plural(total.pruned, 'file')} older than the newest {plural(keep, 'anchor')}")
     if not (total.patches or total.anchors or total.pending):
         out.info(f"{out_dir} is up to date with {train_dir}")
 
@@ -113,10 +117,13 @@ def catch_up(
     elif result.status == "up-to-date":
         out.info(f"{checkpoint} is already at step {result.step}, and so now is {result.output}")
     else:
-        start = "an anchor" if result.from_anchor else str(checkpoint)
-        n = len(result.files)
-        out.info(f"{result.output} is now at step {result.step}: applied {n} file{'s' if n != 1 else ''} from {start} "
-                 f"({', '.join(result.files)})")
+        files = result.files
+        if result.from_anchor:
+            then = f", then {plural(len(files) - 1, 'patch', 'patches')} ({', '.join(files[1:])})" if files[1:] else ""
+            how = f"rebuilt from an anchor ({files[0]}){then}"
+        else:
+            how = f"applied {plural(len(files), 'patch', 'patches')} to {checkpoint} ({', '.join(files)})"
+        out.info(f"{result.output} is now at step {result.step}: {how}")
         for name in result.skipped:
             out.info(f"skipped {name}: {result.problems.get(name, 'missing or damaged')}")
     if result.status == "partial":

@@ -10,7 +10,7 @@ import typer
 from ..errors import UsageError
 from .checks import check_output, check_patch_paths
 from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Quiet
-from .output import Output, human_bytes
+from .output import Output, human_bytes, plural
 
 
 def squash(
@@ -38,4 +38,4 @@ def squash(
         out.json({"output": output, "bytes": size, "patches": len(patches), "patches_bytes": links,
                   "base_digest": header.base_digest, "target_digest": header.target_digest})
     elif size is not None:
-        out.info(f"wrote {output}: {human_bytes(size)} for {len(patches)} patches of {human_bytes(links)} in all")
+        out.info(f"wrote {output}: {human_bytes(size)} for {plural(len(patches), 'patch', 'patches')} of {human_bytes(links)} in all")

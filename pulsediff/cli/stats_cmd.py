@@ -16,7 +16,7 @@ from .output import Output, human_bytes
 def stats(
     first: Annotated[Path, typer.Argument(metavar="PATCH|OLD|DIR",
                                           help="A patch, the base checkpoint of a pair, or a folder of checkpoints (a series).")],
-    second: Annotated[Optional[Path], typer.Argument(metavar="NEW", help="The target checkpoint, when FIRST is a base.")] = None,
+    second: Annotated[Optional[Path], typer.Argument(metavar="NEW", help="The target checkpoint, when the first argument is OLD.")] = None,
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
     top: Annotated[int, typer.Option("--top", metavar="N", help="Tensors to list, largest patch share first (0: all).")] = 20,
