@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,3 +85,70 @@ def test_live_tensor_snippet_runs_as_written(how, tmp_path):
     # It printed its line, with elements written: the worker was behind, and the patch moved it.
     written = re.search(r"(\d+) bytes, (\d+) elements written", proc.stdout)
     assert written and int(written.group(2)) > 0, proc.stdout
+
+
+# The demo's time on two busy cores, as README.md gives it; a README block may take 3 times that.
+DEMO_SECONDS = 27
+
+
+def shell_block(after_heading: str) -> str:
+    """The first ``` block after a heading of README.md."""
+    text = README.read_text()
+    section = text[text.index(after_heading):]
+    return re.search(r"```\n(.*?)```", section, re.S).group(1)
+
+
+def test_series_block_runs_as_written(tmp_path):
+    """The rsync series block, pasted into bash in a fresh folder: every line succeeds, the worker ends at step 4
+    bit for bit, the plot is drawn, and it takes at most 3x the demo's time. Its `pip install` line is left out
+    (the test environment has the extras; a test does not install packages)."""
+    if shutil.which("rsync") is None:
+        pytest.skip("rsync is not installed")
+    block = shell_block("## Checkpoint series")
+    lines = [line for line in block.splitlines() if not line.startswith("pip install")]
+    assert len(lines) == len(block.splitlines()) - 1
+    bin_dir = str(Path(sys.executable).parent)  # this interpreter's python and pulsediff come first
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    start = time.monotonic()
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=10 * DEMO_SECONDS)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "worker is at step 4, bit for bit" in proc.stdout
+    assert (tmp_path / "series.png").stat().st_size > 0
+    assert took <= 3 * DEMO_SECONDS, f"{took:.0f} s"
+
+
+def test_s3_block_runs_as_written(tmp_path):
+    """The S3 and HTTP block, pasted into bash in a fresh folder with rclone and obstore installed: both workers
+    end at step 4 bit for bit, within 3x the demo's time. Its `pip install` line is left out, as above; the
+    rclone servers it starts are stopped whatever happens."""
+    import socket
+
+    pytest.importorskip("obstore")
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    if shutil.which("rclone", path=env["PATH"]) is None:
+        pytest.skip("rclone is not installed")
+    for port in (9000, 8080):  # the block's own addresses
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.skip(f"port {port} is in use")
+    block = shell_block("## Series over S3 and HTTP")
+    lines = [line for line in block.splitlines() if not line.startswith("pip install")]
+    env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # catch-up's download cache: not the user's
+    start = time.monotonic()
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=10 * DEMO_SECONDS)
+    finally:
+        try:
+            os.killpg(proc.pid, 9)  # rclone, if the block stopped before its `kill`
+        except ProcessLookupError:
+            pass
+    took = time.monotonic() - start
+    assert proc.returncode == 0, err
+    assert "both workers at step 4, bit for bit" in out
+    assert took <= 3 * DEMO_SECONDS, f"{took:.0f} s"
