@@ -59,7 +59,7 @@ from typing import Callable
 from urllib.parse import quote, urlsplit
 
 from .atomic import TMP_SUFFIX, output_error, remove_stale_temporaries, temp_prefix
-from .errors import InvalidManifestError, PulsediffError, UsageError
+from .errors import InvalidManifestError, MissingExtraError, PulsediffError, UsageError
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifest, parse_manifest
 from .progress import SILENT, Progress
 
@@ -96,7 +96,7 @@ def open_store(spec: "str | os.PathLike | Store", *, cache: Path | None = None) 
     if scheme not in REMOTE_SCHEMES:
         raise UsageError(f"{spec}: unsupported URL scheme {scheme}://; use a folder, s3://, http:// or https://")
     if importlib.util.find_spec("obstore") is None:
-        raise UsageError(f"{spec}: s3:// and http(s):// need obstore: {REMOTE_EXTRA}")
+        raise MissingExtraError(f"{spec} (a remote series)", "obstore", "remote")  # exit 1: the command is right
     return ObjectStoreSource(spec, cache)
 
 

@@ -293,3 +293,14 @@ def test_readme_runs_leave_nothing_git_would_list():
         probe = name + "x" if name.endswith("/") else name  # a file inside the folder
         proc = subprocess.run(["git", "check-ignore", "-q", "--no-index", probe], cwd=root)
         assert proc.returncode == 0, f"{name} is not ignored"
+
+
+def test_remote_series_without_obstore_says_how_to_install_it(tmp_path):
+    code = ("import importlib.util as u; real = u.find_spec; "
+            "u.find_spec = lambda name, *a: None if name == 'obstore' else real(name, *a); "
+            "from pulsediff.cli.main import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code, "catch-up", str(tmp_path / "w.safetensors"),
+                           "http://127.0.0.1:9/run"], capture_output=True, text=True, timeout=300)
+    line = one_line_error(proc, 1)
+    assert ("http://127.0.0.1:9/run (a remote series) needs obstore, which is not installed: "
+            "pip install 'pulsediff[remote]'") in line
