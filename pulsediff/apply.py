@@ -470,11 +470,34 @@ def read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> b
     # Each file's header must describe its tensors, for every reader of the layout (squash wrote
     # patches from layouts that apply then refused).
     pos = first = 0
+    holder = {}  # tensor -> the file the layout writes it to
     for lf in layout.files:
         _check_file_header(blob[pos : pos + lf.header_len], header.tensors[first : first + lf.tensors], lf.name,
                            reader.source)
+        holder.update((r.name, lf.name) for r in header.tensors[first : first + lf.tensors])
         pos, first = pos + lf.header_len, first + lf.tensors
+    if layout.index_len is not None:
+        _check_index(blob[pos : pos + layout.index_len], holder, reader.source)
     return blob
+
+
+def _check_index(index: bytes, holder: dict[str, str], source: str) -> None:
+    """The index the layout writes must list each tensor in the file the layout writes it to (§5):
+    the file names are in the header, outside the layout digest, so a patch whose names were edited
+    (checksums recomputed) would otherwise rebuild a folder whose index names files it does not have."""
+    from . import strict_json
+
+    try:
+        weight_map = strict_json.loads(index)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise CorruptPatchError(source, f"the layout's {INDEX_NAME} has no weight_map object") from None
+    if weight_map != holder:
+        wrong = sorted(set(weight_map.items()) ^ set(holder.items()))[0][0]
+        raise CorruptPatchError(source, f"the layout's {INDEX_NAME} lists tensor {wrong!r} in "
+                                        f"{weight_map.get(wrong)!r}, but the layout writes it to "
+                                        f"{holder.get(wrong)!r}: the rebuilt folder would not load")
 
 
 class FolderFileSources:

@@ -317,3 +317,35 @@ def test_a_base_that_differs_only_in_a_tensor_carried_whole_says_so(tmp_path):
     fewer = {"w": old["w"]}
     with pytest.raises(BaseMismatchError, match=r"the base holds 1 tensor\(s\), the patch's base 2"):
         apply_patch(save(fewer, tmp_path / "fewer.safetensors"), tmp_path / "p", tmp_path / "out", device="cpu")
+
+
+@pytest.mark.parametrize("edit", ["renamed shard", "index moved a tensor"])
+def test_layout_whose_names_disagree_with_its_index_is_refused(tmp_path, edit):
+    """File names live in the header, outside the layout digest: a shard renamed there (checksums
+    recomputed) rebuilt 'éodel-00001-of-00002.safetensors' beside an index naming
+    'model-00001-...', reported verified, and the folder no longer loaded (issue 23)."""
+    from ckpt_factory import save_sharded
+    from fuzz_cases import assemble, split_patch
+
+    rng = np.random.default_rng(51)
+    base = {f"w{i}": random_tensor(rng, "BF16", (32, 32)) for i in range(4)}
+    old = save_sharded(base, tmp_path / "old", 2)
+    new = save_sharded({k: mutate(rng, v, 0.1) for k, v in base.items()}, tmp_path / "new", 2)
+    patch = tmp_path / "p.pulsediff"
+    make_patch(old, new, patch, device="cpu")
+    header = split_patch(patch.read_bytes())
+
+    def rename(h):
+        f = h["layout"]["files"][0]
+        f["name"] = "é" + f["name"][1:]
+
+    def swap_counts(h):  # same names, but the files' tensor counts moved: tensors land in other files
+        a, b = h["layout"]["files"][:2]
+        a["tensors"], b["tensors"] = a["tensors"] + 1, b["tensors"] - 1
+
+    hostile = tmp_path / "hostile.pulsediff"
+    hostile.write_bytes(assemble(header, post=rename if edit == "renamed shard" else swap_counts))
+    out = tmp_path / "out"
+    with pytest.raises(InvalidPatchError):
+        apply_patch(old, hostile, out, device="cpu")
+    assert not out.exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
