@@ -123,6 +123,24 @@ class InvalidManifestError(PulsediffError, ValueError):
         super().__init__(f"not a valid pulsediff manifest: {path}: {reason}")
 
 
+class SigningKeyError(PulsediffError, ValueError):
+    """A key file or public key (`keygen`, `publish --sign`, `--trust`) that cannot be used."""
+
+
+class UntrustedManifestError(PulsediffError, ValueError):
+    """A manifest that a worker configured with trusted keys must not use: unsigned, signed by another key,
+    altered after signing, or older than one already accepted (docs/FORMAT.md §8.1)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"refusing {path}: {reason}")
+
+
+class RollbackError(UntrustedManifestError):
+    """A validly signed manifest older than one already accepted from the same source and key."""
+
+
 # --- applying --------------------------------------------------------------
 
 

@@ -461,7 +461,8 @@ class LiveCatchUp:
 
 
 def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: str | None = None,
-                        check: str = "auto", digest: str | None = None) -> LiveCatchUp:
+                        check: str = "auto", digest: str | None = None, trust=None,
+                        trust_state: str | Path | None = None) -> LiveCatchUp:
     """`pulsediff catch-up` for live tensors: follow a published series folder (pulsediff publish)
     to its newest step in place, by the cheapest chain of intact patches from the tensors' digest.
 
@@ -469,13 +470,18 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
     apply), which spares hashing them on the host to find where they are in the series (on
     a GPU, a copy of every tensor); the chain's first patch checks the base all the same
     (by word sums under check="sums"), though a `digest` that names the newest step is
-    taken at its word. `check` is apply_to_state_dict's."""
+    taken at its word. `check` is apply_to_state_dict's. `trust` and `trust_state`: as
+    series.catch_up's (a signed series: the manifest signed by a trusted key and not older than
+    one accepted before, each file's SHA-256 the one it names)."""
     from .errors import InvalidManifestError, PulsediffError
-    from .manifest import Manifest, cheapest_paths
-    from .series import MAX_SEARCHES, _check_file
+    from .manifest import cheapest_paths
+    from .series import MAX_SEARCHES, _check_file, read_source_manifest
+    from .signing import as_trust
+    from .store import Folder
 
     folder = Path(folder)
-    manifest = Manifest.load(folder)
+    trust = as_trust(trust, trust_state)
+    manifest = read_source_manifest(Folder(folder), trust)
     if manifest is None or manifest.newest is None:
         raise PulsediffError(f"{folder} holds no published series (no manifest.json with entries)")
     newest = manifest.newest
@@ -490,8 +496,8 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
             raise PulsediffError(f"no intact chain of patches in {folder} leads from the live tensors "
                                  f"({digest}) to step {newest.step}")
         links = chain.path_to(newest.target)
-        bad = next((e for e in links if _check_file(folder / e.file, e, manifest.precision, str(folder)) is not None),
-                   None)
+        bad = next((e for e in links if _check_file(folder / e.file, e, manifest.precision, str(folder),
+                                                    authenticate=trust is not None) is not None), None)
         if bad is None:
             break
         drop.add(bad.file)

@@ -10,7 +10,9 @@ checks the relations that make it one series (docs/FORMAT.md §8):
   to a later one (`from_step < step`), so step labels can never form a cycle;
 - all entries for one step agree on its target digest, and a patch's base is
   the target digest of its `from_step` wherever that step is listed;
-- sizes are non-negative, steps below 2**48.
+- sizes are non-negative, steps below 2**48;
+- `serial` (counted up by the publisher at every write) and each file's
+  `sha256` are optional for unsigned series; a signed one needs both (§8.1).
 
 What the manifest cannot prove, the files do: catch-up checks each planned
 file's own header digests against its entry before using it (series.py).
@@ -22,9 +24,11 @@ copied path lists, so a 20,000-entry manifest plans in milliseconds.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import os
+import re
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,9 +47,11 @@ KINDS = ("patch", "anchor")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # ~200,000 entries of ~300 bytes
 MAX_ENTRIES = 200_000  # two files a step for 100,000 steps
 MAX_STEP = 2**48 - 1
+MAX_SERIAL = 2**53 - 1  # exact in every JSON reader
 MAX_FILE_BYTES = 2**62
 MAX_NAME_BYTES = 255  # one path component on common file systems
 FETCH_WEIGHT = 8  # see cheapest_paths
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,13 @@ class Entry:
     target: str
     bytes: int  # the file's size
     target_bytes: int  # the rebuilt checkpoint's size: applying any file costs about one pass over it
+    sha256: str | None = None  # the file's SHA-256 (hex): what a signature vouches for, through the manifest
+
+    def to_json(self) -> dict:
+        obj = asdict(self)
+        if self.sha256 is None:
+            del obj["sha256"]
+        return obj
 
 
 def is_series_file_name(name: object) -> bool:
@@ -71,49 +84,39 @@ def is_series_file_name(name: object) -> bool:
         return False
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 @dataclass
 class Manifest:
     precision: str
     entries: list[Entry]
+    serial: int = 0  # one more at every manifest the publisher writes: a worker's rollback check compares it
 
     def to_json(self) -> dict:
-        return {"version": MANIFEST_VERSION, "precision": self.precision, "entries": [asdict(e) for e in self.entries]}
+        return {"version": MANIFEST_VERSION, "serial": self.serial, "precision": self.precision,
+                "entries": [e.to_json() for e in self.entries]}
+
+    def to_bytes(self) -> bytes:
+        """The bytes a publisher writes (and signs)."""
+        return (json.dumps(self.to_json(), indent=1) + "\n").encode()
 
     @classmethod
     def load(cls, folder: Path) -> "Manifest | None":
         """The folder's manifest, fully validated; None when there is none."""
         path = Path(folder) / MANIFEST
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise InvalidManifestError(str(path), exc.strerror or str(exc)) from None
-        try:
-            # Checked on the descriptor before wrapping it: os.fdopen refuses a directory with an
-            # error naming the descriptor, not the path, and leaves the descriptor open.
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a pipe, socket or device"
-                raise InvalidManifestError(str(path), f"not a regular file ({kind})")
-            f = os.fdopen(fd, "rb")
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            with f:
-                # read(n) allocates n bytes up front: ask for what is there (and one more, in case it grew).
-                data = f.read(min(st.st_size, MAX_MANIFEST_BYTES) + 1)
-        except OSError as exc:
-            raise InvalidManifestError(str(path), exc.strerror or str(exc)) from None
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise InvalidManifestError(str(path), f"larger than {MAX_MANIFEST_BYTES} bytes")
-        return parse_manifest(data, str(path))
+        data = read_small_file(path, MAX_MANIFEST_BYTES, InvalidManifestError)
+        return None if data is None else parse_manifest(data, str(path))
 
     def save(self, folder: Path) -> None:
         with StagedFiles() as staged:
             with staged.open(Path(folder) / MANIFEST) as f:
-                f.write((json.dumps(self.to_json(), indent=1) + "\n").encode())
+                f.write(self.to_bytes())
             staged.commit()
 
     @property
@@ -123,6 +126,37 @@ class Manifest:
     def step_of(self, digest: str) -> int | None:
         """The newest step whose checkpoint has this digest (a step that changed nothing shares its digest)."""
         return max((e.step for e in self.entries if e.target == digest), default=None)
+
+
+def read_small_file(path: Path, limit: int, error=InvalidManifestError) -> bytes | None:
+    """The bytes of the regular file `path` (None when there is none), refused past `limit` bytes with
+    `error(str(path), reason)`: a directory, a FIFO or a device is an error, never a hang."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise error(str(path), exc.strerror or str(exc)) from None
+    try:
+        # Checked on the descriptor before wrapping it: os.fdopen refuses a directory with an
+        # error naming the descriptor, not the path, and leaves the descriptor open.
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a pipe, socket or device"
+            raise error(str(path), f"not a regular file ({kind})")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        with f:
+            # read(n) allocates n bytes up front: ask for what is there (and one more, in case it grew).
+            data = f.read(min(st.st_size, limit) + 1)
+    except OSError as exc:
+        raise error(str(path), exc.strerror or str(exc)) from None
+    if len(data) > limit:
+        raise error(str(path), f"larger than {limit} bytes")
+    return data
 
 
 def parse_manifest(data: bytes, source: str) -> Manifest:
@@ -145,9 +179,10 @@ def parse_manifest(data: bytes, source: str) -> Manifest:
         raise fail("entries is not a list")
     if len(raw_entries) > MAX_ENTRIES:
         raise fail(f"more than {MAX_ENTRIES} entries")
+    serial = _uint(obj, "serial", MAX_SERIAL, "manifest", fail) if "serial" in obj else 0
     entries = [_entry(e, i, fail) for i, e in enumerate(raw_entries)]
     _check_relations(entries, fail)
-    return Manifest(precision, entries)
+    return Manifest(precision, entries, serial)
 
 
 def _uint(e: dict, key: str, upper: int, where: str, fail) -> int:
@@ -183,8 +218,12 @@ def _entry(e: object, i: int, fail) -> Entry:
         raise fail(f"{where} is an anchor whose base is not the empty checkpoint")
     if target == EMPTY_DIGEST:
         raise fail(f"{where} has the empty checkpoint (no tensors) as its target")
+    sha256 = e.get("sha256")
+    if sha256 is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256)):
+        raise fail(f"{where}.sha256 must be 64 lowercase hex digits")
     return Entry(kind, name, step, from_step, base, target,
-                 _uint(e, "bytes", MAX_FILE_BYTES, where, fail), _uint(e, "target_bytes", MAX_FILE_BYTES, where, fail))
+                 _uint(e, "bytes", MAX_FILE_BYTES, where, fail), _uint(e, "target_bytes", MAX_FILE_BYTES, where, fail),
+                 sha256)
 
 
 def _check_relations(entries: list[Entry], fail) -> None:

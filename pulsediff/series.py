@@ -27,10 +27,18 @@ from nothing, through an anchor) to the newest step, checks every file on it
 and applies it as one chain; a missing or damaged file is dropped from the
 graph and another path tried, so the result is the newest checkpoint or an
 error, never a wrong checkpoint.
+
+Signed series (signing.py, docs/FORMAT.md §8.1): `publish(sign=KEYFILE)`
+signs every manifest it writes and continues only a series whose manifest
+it can verify (its own key, or keys given as `trust`, for a rotation);
+`catch_up(trust=KEYS)` uses only a manifest signed by one of KEYS, not older
+than one it accepted before, and only files whose SHA-256 is the one that
+manifest names.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -41,7 +49,7 @@ from .checkpoint import Checkpoint, TensorView
 from .digest import checkpoint_digest
 from .errors import (AmbiguousStepError, CheckpointNotFoundError, InvalidManifestError, PulsediffError, UsageError,
                      refuse_existing)
-from .manifest import MANIFEST, Entry, Manifest, cheapest_paths
+from .manifest import MANIFEST, Entry, Manifest, cheapest_paths, file_sha256
 from .progress import SILENT, Progress
 from .store import Store, open_store, size_problem
 
@@ -171,14 +179,20 @@ class PublishReport:
 def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every: int = 10, keep: int | None = None,
                  skips: bool = True, precision: str = "exact", codec: str | None = None, device: str | None = None,
                  pattern: str = DEFAULT_STEP_PATTERN, ready: str = "stable", settle: float = DEFAULT_SETTLE,
-                 progress: Progress = SILENT, dry_run: bool = False) -> PublishReport:
+                 progress: Progress = SILENT, dry_run: bool = False, sign=None, trust=None,
+                 trust_state: Path | None = None) -> PublishReport:
     """Publish every complete checkpoint newer than the manifest's newest step, in step order.
 
     Stops at the first step that is not complete yet (see above), so steps are
     never published out of order; an old file that never opens is skipped.
     `out_dir` is a folder, an `s3://bucket/prefix` URL, or a Store. `dry_run`:
     judge every step as a real run would, make and write nothing, and list in
-    the report the files it would publish and prune.
+    the report the files it would publish and prune. `sign`: a private key
+    file (or a loaded key) that signs every manifest written; an existing
+    manifest must then be signed by that key or by one of `trust` (the old
+    key, while rotating), and is checked against the rollback record in
+    `trust_state` as a worker's would be. Without `sign`, a signed series is
+    refused (an unsigned manifest there would lock out every trusting worker).
     """
     if anchor_every < 1:
         raise UsageError("--anchor-every must be at least 1")
@@ -188,23 +202,75 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
         raise UsageError("--settle must be a number of seconds, 0 or more")
     if not train_dir.is_dir():
         raise CheckpointNotFoundError(str(train_dir), "training folder")
+    signing = _signing(sign, trust, trust_state)
     dest = open_store(out_dir)
     dest.writable()
     try:
         return _publish_once(train_dir, dest, anchor_every=anchor_every, keep=keep, skips=skips, precision=precision,
                              codec=codec, device=device, pattern=pattern, ready=ready, settle=settle, progress=progress,
-                             dry_run=dry_run)
+                             dry_run=dry_run, signing=signing)
     finally:
         if dest is not out_dir:
             dest.close()
 
 
+@dataclass(frozen=True)
+class _Signing:
+    key: object  # the Ed25519 private key
+    trust: object  # signing.Trust: its own public key and those given to continue from
+
+
+def _signing(sign, trust, trust_state) -> "_Signing | None":
+    if isinstance(sign, _Signing) or sign is None:
+        if sign is None and trust is not None:
+            raise UsageError("--trust on publish names the keys whose series --sign may continue; give --sign too")
+        return sign
+    from .signing import Trust, load_private_key, public_key_text, trusted_keys
+
+    key = sign if not isinstance(sign, (str, os.PathLike)) else load_private_key(Path(sign))
+    keys = (public_key_text(key),) + (trusted_keys(trust) if trust is not None else ())
+    return _Signing(key, Trust(tuple(dict.fromkeys(keys)), Path(trust_state) if trust_state is not None else None))
+
+
+def _read_dest_manifest(dest: Store, signing: "_Signing | None") -> Manifest | None:
+    from .errors import UntrustedManifestError
+
+    if signing is None:
+        if dest.read_signature() is not None:
+            raise UsageError(f"{dest.location} is a signed series; publish to it with --sign KEYFILE (an unsigned "
+                             f"manifest would be refused by every worker that trusts its key)")
+        return dest.read_manifest()
+    from .signing import read_signed_manifest
+
+    try:
+        return read_signed_manifest(dest, signing.trust)
+    except UntrustedManifestError as exc:
+        exc.args = (f"{exc}; publish --sign continues only a series its key signed (give the previous key's "
+                    f"public key with --trust while rotating), or publish into a new DEST",)
+        raise
+
+
+def _save_manifest(dest: Store, manifest: Manifest, signing: "_Signing | None") -> None:
+    """Write the next version of the manifest (serial + 1), signed when publishing a signed series."""
+    manifest.serial += 1
+    if signing is None:
+        dest.save_manifest(manifest)
+        return
+    from .signing import check_rollback, public_key_text, sign_manifest
+
+    data = manifest.to_bytes()
+    dest.save_manifest(manifest, sign_manifest(signing.key, data))
+    newest = manifest.newest
+    check_rollback(signing.trust.state, dest.identity, public_key_text(signing.key), manifest.serial,
+                   newest.step if newest else None, data, dest.shown(MANIFEST))
+
+
 def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, precision, codec, device, pattern, ready,
-                  settle, progress, dry_run=False) -> PublishReport:
+                  settle, progress, dry_run=False, signing=None) -> PublishReport:
     from .inspect import checkpoint_digest_of
     from .make import make_patch
 
-    manifest = dest.read_manifest() or Manifest(precision, [])
+    manifest = _read_dest_manifest(dest, signing) or Manifest(precision, [])
     if manifest.precision != precision:
         raise UsageError(f"{dest.location} holds {manifest.precision} patches; publish with --precision {manifest.precision}")
     kwargs = {"precision": precision, "device": device, "progress": progress}
@@ -268,7 +334,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
                     raise PulsediffError(f"{base_path} changed after step {from_step} was published; "
                                          f"its digest is no longer the one in {_shown(dest, MANIFEST)}")
                 new_entries.append(Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
-                                         tmp.stat().st_size, header.target_bytes))
+                                         tmp.stat().st_size, header.target_bytes, file_sha256(tmp)))
             # The second look: the checkpoint read while making the patches must be the one there now.
             again = checkpoint_digest_of(path, precision)
             if _fingerprint_or_none(path) != before or any(e.target != again for e in new_entries):
@@ -280,7 +346,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)
         manifest.entries.extend(new_entries)
-        dest.save_manifest(manifest)  # last: the files it names are already in place
+        _save_manifest(dest, manifest, signing)  # last: the files it names are already in place
         report.patches += sum(e.kind == "patch" for e in new_entries)
         report.anchors += sum(e.kind == "anchor" for e in new_entries)
         report.steps.append(step)
@@ -290,7 +356,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
     if keep is not None and dry_run:
         report.would_prune = _to_prune(planned_kinds, keep)
     elif keep is not None:
-        report.pruned = _prune(manifest, dest, keep)
+        report.pruned = _prune(manifest, dest, keep, signing)
     return report
 
 
@@ -313,14 +379,14 @@ def _to_prune(entries: list[tuple[str, int, str]], keep: int) -> list[str]:
     return [file for kind, step, file in entries if step < oldest_kept or (kind == "patch" and step == oldest_kept)]
 
 
-def _prune(manifest: Manifest, dest: Store, keep: int) -> int:
+def _prune(manifest: Manifest, dest: Store, keep: int, signing: "_Signing | None" = None) -> int:
     """Keep the newest `keep` anchors and everything after the oldest of them."""
     gone = set(_to_prune([(e.kind, e.step, e.file) for e in manifest.entries], keep))
     if not gone:
         return 0
     drop = [e for e in manifest.entries if e.file in gone]
     manifest.entries = [e for e in manifest.entries if e not in drop]
-    dest.save_manifest(manifest)  # first the manifest stops naming them, then they go
+    _save_manifest(dest, manifest, signing)  # first the manifest stops naming them, then they go
     dest.delete([e.file for e in drop])
     return len(drop)
 
@@ -342,6 +408,7 @@ def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = Fal
     """
     if not interval > 0:
         raise UsageError("--interval must be a positive number of seconds")
+    kwargs["sign"] = _signing(kwargs.get("sign"), kwargs.pop("trust", None), kwargs.pop("trust_state", None))
     dest = open_store(out_dir)
     dest.writable()
     try:
@@ -353,7 +420,7 @@ def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = Fal
 
 def _publish_loop(train_dir, dest: Store, watch, interval, idle_exit, on_report, kwargs) -> PublishReport:
     total = PublishReport()
-    last_change = time.monotonic() if dest.read_manifest() else None
+    last_change = time.monotonic() if dest.read_manifest_bytes() is not None else None
     started = time.monotonic()
     while True:
         report = publish_once(train_dir, dest, **kwargs)
@@ -403,11 +470,21 @@ class CatchUpPlan:
     urls: list[str] = field(default_factory=list)  # where each file is: its name in a folder, its URL remotely
 
 
-def _where_we_are(checkpoint: Path, source: Store, progress: Progress):
+def read_source_manifest(source: Store, trust, *, record: bool = True) -> Manifest | None:
+    """The source's manifest; with `trust` (signing.Trust), only one signed by a trusted key, not older than
+    one accepted before (recorded unless `record` is false)."""
+    if trust is None:
+        return source.read_manifest()
+    from .signing import read_signed_manifest
+
+    return read_signed_manifest(source, trust, record=record)
+
+
+def _where_we_are(checkpoint: Path, source: Store, progress: Progress, trust=None, record: bool = True):
     """(manifest, the checkpoint's tensor ids or None, its digest or None)."""
     from .inspect import tensor_ids
 
-    manifest = source.read_manifest()
+    manifest = read_source_manifest(source, trust, record=record)
     if manifest is None or not manifest.entries:
         raise CheckpointNotFoundError(_shown(source, MANIFEST), "manifest")
     ids = None  # hashed once here, handed to apply
@@ -425,16 +502,21 @@ def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
     return sorted({(e.step, e.target) for e in manifest.entries if e.step > floor}, reverse=True)
 
 
-def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress: Progress = SILENT) -> CatchUpPlan:
+def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress: Progress = SILENT, trust=None,
+                  trust_state: Path | None = None) -> CatchUpPlan:
     """The files catch-up would apply, judged from the manifest alone (the files need not be here).
 
     For fetching only what is needed: a worker that mirrors the whole folder
     would also download every anchor, each nearly the size of the checkpoint.
     `urls` holds where each file is: its name for a folder (for `rsync
-    --files-from`), its URL for a remote source.
+    --files-from`), its URL for a remote source. `trust`: as catch_up's (the
+    rollback record is checked, not written).
     """
+    from .signing import as_trust
+
+    trust = as_trust(trust, trust_state)
     source = open_store(patch_dir)
-    manifest, _, have = _where_we_are(checkpoint, source, progress)
+    manifest, _, have = _where_we_are(checkpoint, source, progress, trust, record=False)
     newest = manifest.newest
     if have == newest.target:
         return CatchUpPlan(newest.step, [], False)
@@ -446,10 +528,19 @@ def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress
 
 
 def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None = None, *, device: str | None = None,
-             cache: Path | None = None, progress: Progress = SILENT, force: bool = False) -> CatchUpResult:
+             cache: Path | None = None, progress: Progress = SILENT, force: bool = False, trust=None,
+             trust_state: Path | None = None) -> CatchUpResult:
     """Bring `checkpoint` (or a new `out`) to the newest step published at `patch_dir`: a folder, an
     `s3://bucket/prefix` or `http(s)://` URL (files are fetched into `cache`), or a Store. An existing
-    `out` (other than `checkpoint`) is refused unless `force`."""
+    `out` (other than `checkpoint`) is refused unless `force`.
+
+    `trust`: public keys (`ed25519:...` lines, files of them, or a signing.Trust). Then the manifest must
+    be signed by one of them and not older than the newest accepted before from this source under that
+    key (the record in `trust_state`, default signing.default_state_file()), and every file must have the
+    SHA-256 the manifest names; otherwise UntrustedManifestError, and nothing is written."""
+    from .signing import as_trust
+
+    trust = as_trust(trust, trust_state)
     checkpoint = Path(checkpoint)
     if out is not None:
         out = Path(out)
@@ -457,22 +548,22 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
             refuse_existing(out, force)
     source = open_store(patch_dir, cache=cache)
     try:
-        return _catch_up(checkpoint, source, out, device, progress)
+        return _catch_up(checkpoint, source, out, device, progress, trust)
     finally:
         if source is not patch_dir:
             source.close()
 
 
 def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | None,
-              progress: Progress) -> CatchUpResult:
+              progress: Progress, trust=None) -> CatchUpResult:
     from .apply import apply_chain
 
-    manifest, ids, have = _where_we_are(checkpoint, source, progress)
+    manifest, ids, have = _where_we_are(checkpoint, source, progress, trust)
     newest = manifest.newest
     out_path = out or checkpoint
 
     def check(path: Path, e: Entry) -> str | None:
-        return _check_file(path, e, manifest.precision, _shown(source, MANIFEST))
+        return _check_file(path, e, manifest.precision, _shown(source, MANIFEST), authenticate=trust is not None)
 
     if have == newest.target:
         if out is not None and not _same_path(out, checkpoint):  # the copy goes through a checked file
@@ -521,9 +612,7 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
 
 
 def _shown(store: Store, name: str) -> str:
-    """Where a file of the series is, for messages: its URL, or its path in the folder (`where` gives a folder's
-    names relative, for `rsync --files-from`)."""
-    return store.where(name) if store.remote else str(Path(store.location) / name)
+    return store.shown(name)
 
 
 def _same_path(a: Path, b: Path) -> bool:
@@ -536,17 +625,27 @@ def _describe(problems: dict[str, str]) -> str:
     return "; ".join(f"{name}: {why}" for name, why in shown) + more
 
 
-def _check_file(path: Path, e: Entry, precision: str, manifest_where: str) -> str | None:
+def _check_file(path: Path, e: Entry, precision: str, manifest_where: str, authenticate: bool = False) -> str | None:
     """Why the file for entry `e`, at `path`, cannot be used (missing, half-fetched, damaged), or None.
 
     A file that is intact but whose header contradicts its entry raises:
-    then the manifest is not telling the truth about the series.
+    then the manifest is not telling the truth about the series. `authenticate`
+    (a signed manifest): the file's SHA-256 must be its entry's, checked before
+    the patch reader sees a byte of it; another file is not the publisher's,
+    and is skipped like a damaged one.
     """
     from .apply import verify_patch_file
 
     problem = size_problem(path, e)
     if problem is not None:
         return problem
+    if authenticate:
+        try:
+            sha256 = file_sha256(path)
+        except OSError as exc:
+            return f"unreadable ({exc.strerror or exc})"
+        if sha256 != e.sha256:
+            return "not the file the signed manifest names (its SHA-256 differs)"
     try:
         header = verify_patch_file(path)
     except PulsediffError as exc:

@@ -4,11 +4,14 @@
 kind it is. The contract:
 
 - `read_manifest()`: the manifest through the strict reader (manifest.py),
-  its 64 MiB bound enforced while the bytes arrive, or None when there is none.
+  its 64 MiB bound enforced while the bytes arrive, or None when there is none;
+  `read_manifest_bytes()` and `read_signature()` give the bytes a signed
+  series' reader verifies before it parses anything (signing.py).
 - Publishing: patches are written to `staging()` under temporary names, then
   `commit` makes them visible under their real names, immutably; then
-  `save_manifest` replaces the manifest, last; `delete` removes objects the
-  manifest no longer names (`--keep`).
+  `save_manifest` replaces the manifest, last (its signature, when given,
+  just before it); `delete` removes objects the manifest no longer names
+  (`--keep`).
 - Catching up: `fetch(entries, check, progress)` makes each entry's file
   readable at `path(name)` and returns {name: what is wrong} for those that
   are missing, incomplete or fail `check` (series.py's size, checksum and
@@ -45,7 +48,6 @@ import configparser
 import fcntl
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import tempfile
@@ -60,7 +62,8 @@ from urllib.parse import quote, urlsplit
 
 from .atomic import TMP_SUFFIX, output_error, remove_stale_temporaries, temp_prefix
 from .errors import InvalidManifestError, MissingExtraError, PulsediffError, UsageError
-from .manifest import MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifest, parse_manifest
+from .manifest import (MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifest, parse_manifest,
+                       read_small_file)
 from .progress import SILENT, Progress
 
 FETCH_THREADS = 8  # files downloaded at once: enough to fill a link, few enough for a small worker
@@ -104,13 +107,27 @@ class Store:
     """A series' home. Subclasses: Folder, ObjectStoreSource."""
 
     location: str  # as the user gave it, for messages
+    identity: str  # the same for every spelling of this store: a signed series' rollback record is kept under it
     remote = False
 
     def where(self, name: str) -> str:
         """The file's path or URL, for messages and `catch-up --plan`."""
         raise NotImplementedError
 
+    def shown(self, name: str) -> str:
+        """Where a file of the series is, for messages: its URL, or its path (`where` gives a folder's names
+        relative, for `rsync --files-from`)."""
+        return self.where(name) if self.remote else str(Path(self.location) / name)
+
     def read_manifest(self) -> Manifest | None:
+        data = self.read_manifest_bytes()
+        return None if data is None else parse_manifest(data, self.shown(MANIFEST))
+
+    def read_manifest_bytes(self) -> bytes | None:
+        raise NotImplementedError
+
+    def read_signature(self) -> bytes | None:
+        """The manifest's detached signature (signing.SIGNATURE_NAME), None when there is none."""
         raise NotImplementedError
 
     # -- publishing
@@ -125,7 +142,8 @@ class Store:
         """Make each staged temporary file visible as its name; the temporaries are gone afterwards."""
         raise NotImplementedError
 
-    def save_manifest(self, manifest: Manifest) -> None:
+    def save_manifest(self, manifest: Manifest, signature: bytes | None = None) -> None:
+        """Replace the manifest with `manifest.to_bytes()`; `signature` (its detached signature) goes first."""
         raise NotImplementedError
 
     def delete(self, names: list[str]) -> None:
@@ -156,12 +174,18 @@ class Folder(Store):
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.location = str(folder)
+        self.identity = str(self.folder.resolve())
 
     def where(self, name: str) -> str:
         return name  # relative: `catch-up --plan | rsync --files-from=-` reads names
 
-    def read_manifest(self) -> Manifest | None:
-        return Manifest.load(self.folder)
+    def read_manifest_bytes(self) -> bytes | None:
+        return read_small_file(self.folder / MANIFEST, MAX_MANIFEST_BYTES)
+
+    def read_signature(self) -> bytes | None:
+        from .signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME
+
+        return read_small_file(self.folder / SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
 
     def staging(self) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -171,7 +195,15 @@ class Folder(Store):
         for tmp, name in staged:
             os.replace(tmp, self.folder / name)
 
-    def save_manifest(self, manifest: Manifest) -> None:
+    def save_manifest(self, manifest: Manifest, signature: bytes | None = None) -> None:
+        from .atomic import StagedFiles
+        from .signing import SIGNATURE_NAME
+
+        if signature is not None:  # first: a reader between the two renames sees a pair that does not match yet
+            with StagedFiles() as staged:
+                with staged.open(self.folder / SIGNATURE_NAME) as f:
+                    f.write(signature)
+                staged.commit()
         manifest.save(self.folder)
 
     def delete(self, names: list[str]) -> None:
@@ -278,6 +310,7 @@ class ObjectStoreSource(Store):
 
         self.location = url
         self.url = url.rstrip("/")
+        self.identity = self.url
         self.scheme = url.split("://", 1)[0].lower()
         self.cache = Path(cache) if cache is not None else default_cache(url)
         self._staging: Path | None = None
@@ -303,7 +336,7 @@ class ObjectStoreSource(Store):
 
     # -- the manifest
 
-    def read_manifest(self) -> Manifest | None:
+    def read_manifest_bytes(self) -> bytes | None:
         import obstore as obs
         from obstore.exceptions import NotModifiedError
 
@@ -326,7 +359,25 @@ class ObjectStoreSource(Store):
                 self._manifest = None
                 return None
             raise self._failure(f"cannot read {where}", exc) from None
-        return parse_manifest(self._manifest[1], where)
+        return self._manifest[1]
+
+    def read_signature(self) -> bytes | None:
+        import obstore as obs
+
+        from .signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME
+
+        where = self.where(SIGNATURE_NAME)
+        try:
+            data = bytearray()
+            for chunk in obs.get(self.store, SIGNATURE_NAME).stream(CHUNK):
+                data += chunk
+                if len(data) > MAX_SIGNATURE_BYTES:
+                    raise InvalidManifestError(where, f"larger than {MAX_SIGNATURE_BYTES} bytes")
+        except Exception as exc:
+            if _is_network_error(exc) and _is_missing(exc):
+                return None
+            raise self._failure(f"cannot read {where}", exc) from None
+        return bytes(data)
 
     def _failure(self, what: str, exc: Exception) -> PulsediffError:
         if isinstance(exc, PulsediffError):
@@ -414,14 +465,18 @@ class ObjectStoreSource(Store):
                 if f.read(len(chunk)) != bytes(chunk):
                     raise conflict
 
-    def save_manifest(self, manifest: Manifest) -> None:
-        """Replace the manifest only if it is still the one this publish read (If-Match on its ETag)."""
+    def save_manifest(self, manifest: Manifest, signature: bytes | None = None) -> None:
+        """Replace the manifest only if it is still the one this publish read (If-Match on its ETag); its
+        signature, when given, is put just before (a reader between the two sees a pair that does not
+        match and reads again)."""
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError, NotSupportedError, PreconditionError
 
+        from .signing import SIGNATURE_NAME
+
         self.writable()
         where = self.where(MANIFEST)
-        data = (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
+        data = manifest.to_bytes()
         etag = self._manifest[0] if self._manifest else None
         conflict = PublishConflictError(f"{where} changed since this publish read it: is another publisher "
                                         f"writing to {self.location}? The manifest was not replaced")
@@ -429,6 +484,8 @@ class ObjectStoreSource(Store):
             now = self._head(MANIFEST)  # for stores that ignore the condition below
             if (now.get("e_tag") if now else None) != etag and not (now is None and etag is None):
                 raise conflict
+            if signature is not None:
+                obs.put(self.store, SIGNATURE_NAME, signature)
             mode = {"e_tag": etag} if etag else "create"
             try:
                 put = obs.put(self.store, MANIFEST, data, mode=mode)
