@@ -326,6 +326,78 @@ def test_happy_path_asks_for_the_manifest_and_each_planned_file_once(train, publ
     assert all(r is None for _, _, r in relay.requests)  # whole files: no ranges on the happy path
 
 
+# -- signed series (issue 23) --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def signed(train, root, s3, tmp_path_factory) -> tuple[Path, str]:
+    """The series published with publish --sign to s3://bucket/signed: (its folder, the public key)."""
+    pytest.importorskip("cryptography")
+    from pulsediff.signing import keygen
+
+    folder = tmp_path_factory.mktemp("signing")
+    public = keygen(folder / "trainer.key")
+    env = {**os.environ, "XDG_STATE_HOME": str(folder / "state")}
+    proc = subprocess.run([*PULSEDIFF, "publish", str(train), "s3://bucket/signed", "--anchor-every", "3",
+                           "--settle", "0", "-q", "--sign", str(folder / "trainer.key")],
+                          capture_output=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return root / "bucket" / "signed", public
+
+
+@pytest.mark.parametrize("via", ["s3", "http"])
+@pytest.mark.parametrize("start", [None, 1])
+def test_signed_round_trip(train, signed, http, via, start, tmp_path, monkeypatch):
+    from pulsediff.signing import SIGNATURE_NAME
+
+    folder, public = signed
+    assert (folder / SIGNATURE_NAME).is_file()
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    worker = tmp_path / "worker.safetensors"
+    if start is not None:
+        shutil.copy(ckpt(train, start), worker)
+    source = "s3://bucket/signed" if via == "s3" else f"{http.url}/bucket/signed"
+    proc = run_cli("catch-up", str(worker), source, "--cache", str(tmp_path / "cache"), "--trust", public, "--json")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["step"] == STEPS
+    assert worker.read_bytes() == ckpt(train, STEPS).read_bytes()
+    record = json.loads((tmp_path / "state" / "pulsediff" / "trusted-series.json").read_text())
+    assert list(record["series"]) == [f"{public} {source}"]
+
+
+@pytest.mark.parametrize("via", ["s3", "http"])
+def test_signed_series_refuses_forgeries_over_the_network(train, signed, http, via, tmp_path, monkeypatch):
+    """A tampered manifest, and a consistent series someone else published there: one line, worker untouched."""
+    from pulsediff.signing import SIGNATURE_NAME, keygen
+
+    folder, public = signed
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    name = copy_series(folder, f"forged-{via}")
+    forged = folder.parent / name
+    source = f"s3://bucket/{name}" if via == "s3" else f"{http.url}/bucket/{name}"
+    worker = tmp_path / "worker.safetensors"
+    shutil.copy(ckpt(train, 1), worker)
+    before = worker.read_bytes()
+
+    def refused(*words: str) -> None:
+        proc = run_cli("catch-up", str(worker), source, "--cache", str(tmp_path / "cache"), "--trust", public)
+        err = proc.stderr.decode()
+        assert proc.returncode == 1 and len(err.strip().splitlines()) == 1, err
+        assert all(w in err for w in words), err
+        assert worker.read_bytes() == before
+
+    text = (forged / MANIFEST).read_text()
+    (forged / MANIFEST).write_text(text.replace(f'"step": {STEPS},', f'"step": {STEPS + 1},'))
+    refused("does not match")
+    for p in forged.iterdir():
+        p.unlink()
+    other = keygen(tmp_path / "other.key")
+    publish_once(ckpt(train, 0).parent, forged, anchor_every=3, settle=0, sign=tmp_path / "other.key")
+    refused(other, "not a trusted key")
+    (forged / SIGNATURE_NAME).unlink()
+    refused("not signed")
+
+
 # -- what goes wrong on the way -----------------------------------------------------------------
 
 

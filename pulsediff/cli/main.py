@@ -20,7 +20,7 @@ import sys
 import typer
 
 from ..errors import PulsediffError, UsageError, as_out_of_memory
-from . import apply_cmd, demo_cmd, digest_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
+from . import apply_cmd, demo_cmd, digest_cmd, keygen_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
 from .output import restore_terminal
 
 try:  # typer >= 0.20 ships its own copy of click
@@ -45,6 +45,7 @@ app.command("publish", no_args_is_help=True)(series_cmds.publish)
 app.command("catch-up", no_args_is_help=True)(series_cmds.catch_up)
 app.command("stats", no_args_is_help=True)(stats_cmd.stats)
 app.command("digest", no_args_is_help=True)(digest_cmd.digest)
+app.command("keygen", no_args_is_help=True)(keygen_cmd.keygen)
 app.command("demo")(demo_cmd.demo)
 
 

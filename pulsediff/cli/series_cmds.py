@@ -12,6 +12,10 @@ from .checks import check_output
 from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
 from .output import Output, plural
 
+TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust: the record of "
+                       "the newest manifest accepted per source and key, which an older one may not undercut. "
+                       "Default: $XDG_STATE_HOME/pulsediff/trusted-series.json (~/.local/state/...).")]
+
 
 def publish(
     train_dir: Annotated[Path, typer.Argument(help="Folder where the trainer writes checkpoints (step number in each name).")],
@@ -36,6 +40,12 @@ def publish(
     device: Device = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Judge every checkpoint as a real run would and "
                        "list the files it would publish (and prune with --keep); make and write nothing.")] = False,
+    sign: Annotated[Optional[Path], typer.Option("--sign", metavar="KEYFILE", help="Sign every manifest written "
+                    "with this private key (pulsediff keygen); workers check it with catch-up --trust.")] = None,
+    trust: Annotated[Optional[list[str]], typer.Option("--trust", metavar="PUBKEY", help="With --sign: also continue "
+                     "a series signed by this key (the old one, while rotating keys); ed25519:... or a file of "
+                     "them.")] = None,
+    trust_state: TrustState = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -53,7 +63,8 @@ def publish(
 
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
                 anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device,
-                pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, **({"dry_run": True} if dry_run else {}))
+                pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, sign=sign, trust=trust or None,
+                trust_state=trust_state, **({"dry_run": True} if dry_run else {}))
     if as_json:
         out.json({"out_dir": str(out_dir), "steps": total.steps, "patches": total.patches, "anchors": total.anchors,
                   "pruned": total.pruned,
@@ -87,6 +98,10 @@ def catch_up(
                                        "manifest; change nothing.")] = False,
     cache: Annotated[Optional[Path], typer.Option("--cache", help="Remote SOURCE: folder for downloads (resumed from "
                      "there after an interruption). Default: ~/.cache/pulsediff/<one folder per SOURCE>.")] = None,
+    trust: Annotated[Optional[list[str]], typer.Option("--trust", metavar="PUBKEY", help="Use only a manifest signed "
+                     "by this key (ed25519:..., or a file of them; may be given twice while keys rotate), no older "
+                     "than one accepted before, and only files with the SHA-256 it names.")] = None,
+    trust_state: TrustState = None,
     device: Device = "auto",
     force: Force = False,
     quiet: Quiet = False,
@@ -101,14 +116,15 @@ def catch_up(
     if plan:
         from ..series import plan_catch_up
 
-        planned = plan_catch_up(checkpoint, patch_dir)
+        planned = plan_catch_up(checkpoint, patch_dir, trust=trust or None, trust_state=trust_state)
         if as_json:
             out.json({"step": planned.step, "files": planned.files, "urls": planned.urls, "from_anchor": planned.from_anchor})
             return
         for where in planned.urls:
             out.line(where)
         return
-    result = run(checkpoint, patch_dir, output, device=device, cache=cache, progress=out.progress(), force=force)
+    result = run(checkpoint, patch_dir, output, device=device, cache=cache, progress=out.progress(), force=force,
+                 trust=trust or None, trust_state=trust_state)
     if as_json:
         out.json({"output": str(result.output), "status": result.status, "step": result.step, "files": result.files,
                   "from_anchor": result.from_anchor, "skipped": result.problems})
