@@ -152,3 +152,24 @@ def test_s3_block_runs_as_written(tmp_path):
     assert proc.returncode == 0, err
     assert "both workers at step 4, bit for bit" in out
     assert took <= 3 * DEMO_SECONDS, f"{took:.0f} s"
+
+
+def test_signed_series_block_runs_as_written(tmp_path):
+    """The signed-series block, pasted into bash in a fresh folder: keygen, publish --sign, catch-up --trust,
+    the worker at step 4 bit for bit. Its `pip install` line is left out, as above; the rollback record goes
+    to the test's folder."""
+    pytest.importorskip("cryptography")
+    block = shell_block("## Signed series")
+    lines = [line for line in block.splitlines() if not line.startswith("pip install")]
+    assert len(lines) == len(block.splitlines()) - 1
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+           "XDG_STATE_HOME": str(tmp_path / "state")}
+    start = time.monotonic()
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=10 * DEMO_SECONDS)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "worker is at step 4, signed by trainer.pub" in proc.stdout
+    assert (tmp_path / "signed" / "manifest.json.sig").is_file()
+    assert took <= 3 * DEMO_SECONDS, f"{took:.0f} s"
