@@ -209,8 +209,12 @@ def as_out_of_memory(exc: BaseException) -> OutOfMemoryError | None:
 
 
 class DeviceUnavailableError(PulsediffError, RuntimeError):
+    """The CUDA kernels cannot run here: no GPU or driver, numba-cuda missing or broken, or a
+    compile, launch or allocation that failed. `reason` is the cause, in one line."""
+
     def __init__(self, reason: str):
-        super().__init__(f"--device cuda was asked for, but no CUDA GPU is usable: {reason}")
+        self.reason = reason
+        super().__init__(f"the CUDA kernels cannot run: {reason}")
 
 
 class AmbiguousStepError(PulsediffError, ValueError):

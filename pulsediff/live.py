@@ -200,7 +200,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
     from .apply import open_patch, read_layout, rebuild_tensor
     from .codecs.base import Scratch
     from .inspect import tensor_ids
-    from .kernels import get_backend
+    from .kernels import backend_for_gpu_data, get_backend
 
     if isinstance(patch, (bytes, bytearray, memoryview)):
         patch = io.BytesIO(bytes(patch))
@@ -222,7 +222,15 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
             raise UsageError(f"{reader.source} carries no word sums (format 1.2 added them); "
                              "apply it with check='digests'")
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
-        if check == "sums" or (check == "auto" and on_gpu and has_sums):
+        use_sums = check == "sums" or (check == "auto" and on_gpu and has_sums)
+        if use_sums and on_gpu and backend_for_gpu_data(device) is None:
+            # `cpu` asked for, or a CUDA stack that cannot run (said once): the digests path
+            # checks on host copies and writes the changed elements through torch.
+            if check == "sums":
+                raise UsageError("check='sums' on GPU tensors runs the CUDA kernels, which are not in use "
+                                 "(device='cpu', or they cannot run here); use check='digests'")
+            use_sums = False
+        if use_sums:
             aliases = _aliases(tensors)
             views = {name: device_bits(t) for name, t in tensors.items() if name not in aliases}
             return apply_by_sums(views, reader, header, undo, known, aliases)
@@ -237,7 +245,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
         if checkpoint_digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in header.tensors) \
                 != header.target_digest:
             raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
-        backend = get_backend("cpu" if device is None else device)
+        backend = get_backend(device)  # the rebuild runs on host copies
         scratch = Scratch()
         # Decode and check every tensor first, keeping only its changes; write nothing yet.
         changes: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -257,9 +265,9 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
         names, elements = set(), 0
         for name, positions, values, old in changes:
             if positions.size:
-                view = device_bits(tensors[name])
+                view = _writable_bits(tensors[name])
                 undo.append(_Undo(name, view, positions, old))
-                _kernels_for(view).scatter(view, positions, values)
+                _scatter(view, positions, values)
                 names.add(name)
                 elements += int(positions.size)
         return _Step("applied", header.target_digest, names, elements)
@@ -276,16 +284,41 @@ def device_bits(tensor):
     a CPU tensor, a Numba device array over a CUDA tensor's (zero-copy both)."""
     if tensor.device.type == "cpu":
         return host_bytes(tensor).view(dtype_of(tensor).bits_dtype)
-    from .kernels import cuda
+    from .kernels import cuda_backend
 
-    return cuda.device_bits(_bits_view(tensor))
+    return cuda_backend().device_bits(_bits_view(tensor))
+
+
+def _writable_bits(tensor):
+    """The tensor's elements as flat bit patterns to write into, with no CUDA kernels: a NumPy
+    view of a CPU tensor, a torch integer view of a GPU one (the digests path's writes)."""
+    return host_bytes(tensor).view(dtype_of(tensor).bits_dtype) if tensor.device.type == "cpu" else _bits_view(tensor)
 
 
 def _kernels_for(view):
-    """The kernels that run where `view` lives."""
-    from .kernels import get_backend
+    """The kernels that run where `view` lives (a NumPy array, or a Numba device array)."""
+    from .kernels import cuda_backend, get_backend
 
-    return get_backend("cpu" if isinstance(view, np.ndarray) else "cuda")
+    return get_backend("cpu") if isinstance(view, np.ndarray) else cuda_backend()
+
+
+def _scatter(view, positions: np.ndarray, values: np.ndarray) -> None:
+    """view[positions] = values, where the view lives."""
+    if _is_torch(view):
+        import torch
+
+        index = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(view.device)
+        view[index] = torch.from_numpy(np.ascontiguousarray(values).view(_signed(view))).to(view.device)
+    else:
+        _kernels_for(view).scatter(view, positions, values)
+
+
+def _is_torch(view) -> bool:
+    return type(view).__module__.startswith("torch")
+
+
+def _signed(view) -> np.dtype:
+    return np.dtype(f"i{view.element_size()}") if view.element_size() > 1 else np.dtype(np.uint8)
 
 
 def _host_copy(view) -> np.ndarray:
@@ -408,7 +441,11 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
 
 
 def _overwrite(view, values: np.ndarray) -> None:
-    if isinstance(view, np.ndarray):
+    if _is_torch(view):
+        import torch
+
+        view.copy_(torch.from_numpy(np.ascontiguousarray(values).view(_signed(view))))
+    elif isinstance(view, np.ndarray):
         view[...] = values.view(view.dtype)
     else:
         view.copy_to_device(np.ascontiguousarray(values).view(view.dtype))
@@ -445,7 +482,7 @@ def _roll_back(undo: list) -> list:
         elif entry.positions is None:
             _overwrite(entry.view, entry.old)
         else:
-            _kernels_for(entry.view).scatter(entry.view, entry.positions, entry.old)
+            _scatter(entry.view, entry.positions, entry.old)
     undo.clear()
     return lost
 

@@ -48,6 +48,9 @@ class Output:
     def __init__(self, *, quiet: bool = False, as_json: bool = False):
         self.quiet = quiet
         self.as_json = as_json
+        from .. import notices
+
+        notices.set_quiet(quiet)  # the library's one-line notices (a fallback, a first compile) obey -q too
         self._err = None
         self._out = None
 

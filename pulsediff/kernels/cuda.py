@@ -141,10 +141,16 @@ Importing this module needs no GPU; kernels compile on first call.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
 import threading
+import warnings
 
 import numpy as np
 from numba import cuda, int32, int64, uint64
+
+from ..errors import DeviceUnavailableError
 
 # Module-level so tests can shrink them and make tiny inputs cross tile and
 # block boundaries. Read at every call.
@@ -1294,3 +1300,87 @@ from .cpu import class_major_order  # noqa: E402
 __all__ = ["diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks", "apply_ranked",
            "diff_ranks", "class_major_order", "word_sum", "ranked_positions", "add_at", "resident", "ranked_window",
            "is_device_array"]
+
+
+# --- the boundary: warnings kept in, CUDA stack failures made one line -----------------
+
+
+def probe() -> None:
+    """Compile (or load from the disk cache) one kernel, launch it and check its result: a stack
+    that imports but cannot compile or launch fails here, as DeviceUnavailableError."""
+    data = np.arange(1, 1000, dtype=np.uint16)
+    from .cpu import word_sum as cpu_word_sum
+
+    if word_sum(data) != cpu_word_sum(data):
+        raise DeviceUnavailableError("a test kernel gave a wrong result")
+
+
+def _from_cuda_stack(exc: BaseException) -> bool:
+    """Whether the exception comes from numba, numba-cuda or the CUDA bindings (a driver,
+    compile, launch or allocation failure) rather than from this module's own checks: by its
+    type (CudaAPIError, CudaSupportError, numba's compile errors) or by where it was raised."""
+    if type(exc).__module__.split(".")[0] in ("numba", "numba_cuda", "cuda", "llvmlite"):
+        return True
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    if last is None:
+        return False
+    parts = set(os.path.normpath(last).split(os.sep))
+    return bool(parts & {"numba", "numba_cuda", "cuda", "cuda_core", "cuda_bindings", "llvmlite"}) \
+        and os.path.normpath(last) != os.path.normpath(__file__)
+
+
+_quiet_categories: tuple = ()
+
+
+def _warning_categories() -> tuple:
+    """Numba's warning base classes (numba's own and numba-cuda's copy): what `_guarded` keeps in."""
+    global _quiet_categories
+    if not _quiet_categories:
+        found = []
+        for module in ("numba.core.errors", "numba.cuda.core.errors"):
+            try:
+                found.append(importlib.import_module(module).NumbaWarning)
+            except (ImportError, AttributeError):
+                pass
+        _quiet_categories = tuple(found)
+    return _quiet_categories
+
+
+def _guarded(fn):
+    """An entry point that no Numba warning leaves (low-occupancy grids on small tensors say
+    nothing a user can act on) and whose CUDA stack failures become DeviceUnavailableError with
+    the cause in one line (the CLI shows it and exits 1; `auto` callers fall back)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            for category in _warning_categories():
+                warnings.simplefilter("ignore", category)
+            # The simulator runs kernels as Python on NumPy scalars, whose wrap-around in the
+            # hashes' uint64 arithmetic NumPy reports; on a GPU it is the defined arithmetic.
+            warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if isinstance(exc, DeviceUnavailableError) or not _from_cuda_stack(exc):
+                    raise
+                from . import _first_line
+
+                raise DeviceUnavailableError(_first_line(exc)) from exc
+
+    call.__wrapped_kernel__ = fn
+    return call
+
+
+def _guard_entry_points() -> None:
+    from . import KERNELS
+
+    for name in KERNELS + ("device_bits", "probe"):
+        globals()[name] = _guarded(globals()[name])
+
+
+_guard_entry_points()
