@@ -8,6 +8,7 @@ small inputs span many tiles and blocks.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 # With 8 threads and 2 items a tile is 16 elements, and 4 blocks cover at most
@@ -39,3 +40,12 @@ def fast_simulator():
         yield
     finally:
         sys.setswitchinterval(saved)
+
+
+def real_gpu_present() -> bool:
+    """A GPU driver's device nodes exist (Linux /dev/nvidia*, WSL2 /dev/dxg): tests that expect
+    `--device cuda` to fail for want of a GPU are skipped there. Needs no numba import."""
+    try:
+        return any(name.startswith("nvidia") or name == "dxg" for name in os.listdir("/dev"))
+    except OSError:
+        return False

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ckpt_factory import mutate, random_tensor, save, save_sharded
+from cuda_sim import real_gpu_present
 
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 
@@ -142,6 +143,7 @@ def test_bad_inputs_give_one_line(pair, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.skipif(real_gpu_present(), reason="a GPU is present: --device cuda runs there")
 def test_cuda_without_gpu_is_a_clear_error(pair, tmp_path):
     old, new = pair
     env = {"NUMBA_ENABLE_CUDASIM": "0"}

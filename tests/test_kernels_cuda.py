@@ -500,6 +500,8 @@ def test_device_arrays_for_the_other_kernels(cuda_k):
     np.testing.assert_array_equal(host_out, want_out)
 
 
+@pytest.mark.skipif(not SIMULATED, reason="hands the kernels host memory dressed as device memory, which only "
+                    "the simulator accepts (on a GPU: CUDA_ERROR_ILLEGAL_ADDRESS, which poisons the context)")
 def test_cuda_array_interface_is_used_in_place(cuda_k):
     """An exporter of `__cuda_array_interface__` (a torch CUDA tensor) is patched in its own
     memory; bfloat16's typestr `<V2` (torch's) is read as uint16 bits."""

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One command that checks pulsediff on a machine with an NVIDIA GPU: the GPU-relevant tests on
+# the real device (NUMBA_ENABLE_CUDASIM=0), scripts/bench_gpu.py (copy bandwidth, every CUDA
+# kernel's bandwidth, the 7B-shaped live apply), and the CLI on a 1 GB pair under each --device.
+# It ends with a short summary; full logs go to $OUT (default ./gpu-check-out).
+#
+# It installs nothing from the internet. It runs from a copy of the repository with the project
+# on PYTHONPATH, on the machine's own torch, numba and numba-cuda. What that machine lacks travels
+# as wheels in .whl/ (git-ignored), fetched beforehand on a machine that reaches PyPI:
+#
+#     scripts/gpu_check.sh --fetch-wheels      # zstandard, and numpy < 2.5 (numba-cuda 0.30, in
+#                                              # maintenance mode, fails to compile on numpy 2.5)
+#     scripts/gpu_check.sh [--quick]           # on the GPU machine; --quick: tests and a small bench
+#
+# Environment: GPU_PYTHON (default python3), GPU_PY_VERSION for --fetch-wheels (default 3.12).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+PY=${GPU_PYTHON:-python3}
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    mkdir -p .whl
+    exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${GPU_PY_VERSION:-3.12}" \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl "zstandard>=0.22" "numpy>=2.0,<2.5"
+fi
+QUICK=0
+[ "${1:-}" = "--quick" ] && QUICK=1
+
+OUT=${OUT:-$REPO/gpu-check-out}
+mkdir -p "$OUT"
+SITE=$(mktemp -d)
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || exit 1
+fi
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" NUMBA_ENABLE_CUDASIM=0 PYTHONUNBUFFERED=1
+export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$OUT/numba-cache}
+
+echo "== stack"
+"$PY" - <<'PYEOF' 2>&1 | tee "$OUT/stack.txt"
+import importlib, sys
+for name in ("numpy", "numba", "numba_cuda", "torch", "zstandard", "xxhash", "safetensors"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name} {getattr(m, '__version__', '?')}")
+    except Exception as exc:
+        print(f"{name} MISSING ({exc.__class__.__name__}: {exc})")
+import torch
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"GPU {p.name}, {p.total_memory / 2**30:.0f} GiB, driver CUDA {torch.version.cuda}")
+from pulsediff.kernels import cuda_usable
+print("pulsediff CUDA kernels usable:", cuda_usable())
+PYEOF
+
+echo "== tests on the device"
+TESTS="tests/test_kernels_cuda.py tests/test_kernels.py tests/test_live.py tests/test_live_sums.py
+       tests/test_device_choice.py tests/test_golden.py tests/test_cli.py"
+# shellcheck disable=SC2086
+"$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
+TESTS_RC=$?
+tail -n 15 "$OUT/tests.log"
+
+echo "== kernels and the 7B shape"
+if [ $QUICK = 1 ]; then BENCH_ARGS="--elements 16777216 --model none --repeats 3"; else BENCH_ARGS="--live"; fi
+# shellcheck disable=SC2086
+"$PY" scripts/bench_gpu.py $BENCH_ARGS > "$OUT/bench_gpu.md" 2>&1
+BENCH_RC=$?
+cat "$OUT/bench_gpu.md"
+
+echo "== the CLI on a file pair, each --device"
+if [ $QUICK = 1 ]; then GB=0.25; else GB=1.0; fi
+"$PY" scripts/bench_cli_devices.py --gb $GB --density 0.02 --repeats 3 --workdir "$(mktemp -d)" \
+    > "$OUT/cli_devices.md" 2>&1
+CLI_RC=$?
+cat "$OUT/cli_devices.md"
+
+echo
+echo "== summary"
+printf '| check | result |\n|---|---|\n'
+printf '| tests (%s) | %s |\n' "NUMBA_ENABLE_CUDASIM=0" "$(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.log" | tail -n 1 || echo "exit $TESTS_RC")"
+printf '| scripts/bench_gpu.py | %s |\n' "$([ $BENCH_RC = 0 ] && echo ok || echo "exit $BENCH_RC")"
+printf '| CLI per device | %s |\n' "$([ $CLI_RC = 0 ] && echo ok || echo "exit $CLI_RC")"
+[ $TESTS_RC = 0 ] && [ $BENCH_RC = 0 ] && [ $CLI_RC = 0 ]
