@@ -440,7 +440,7 @@ def test_every_backend_provides_the_whole_contract(backend):
 
     assert set(KERNELS) >= {"diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks",
                             "apply_ranked", "class_major_order", "word_sum", "ranked_positions", "add_at", "resident",
-                            "ranked_window"}
+                            "ranked_window", "locate_ranked"}
     assert all(callable(getattr(backend, name, None)) for name in KERNELS)
 
 

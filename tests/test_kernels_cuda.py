@@ -568,6 +568,26 @@ def test_ranked_positions(cuda_k, cpu_k, case):
                 np.testing.assert_array_equal(where, want)
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_locate_ranked(cuda_k, cpu_k, case):
+    """Class sizes and positions together, host and device base (on a real GPU the device base
+    takes kernels.class_sort's sort; under the simulator the walk)."""
+    _, make, shift, mask = case
+    rng = np.random.default_rng(25)
+    for n, density in [(1, "all"), (130, 0.0), (301, 0.05), (77, "all")]:
+        base = make(rng, n)
+        positions = pick_positions(rng, n, density)
+        ranks, sizes = class_ranks_ref(base, shift, mask, positions)
+        offsets, ranks_cm, _ = listed_entries(base, shift, mask, positions, ranks, rng)
+        want, found = ranked_positions_ref(base, shift, mask, offsets, ranks_cm)
+        for k, b in ((cpu_k, base), (cuda_k, base), (cuda_k, numba_cuda.to_device(base))):
+            where, got, got_sizes = k.locate_ranked(b, shift, mask, offsets, ranks_cm)
+            where = where.copy_to_host() if hasattr(where, "copy_to_host") else where
+            assert got == found == positions.size
+            np.testing.assert_array_equal(where, want)
+            np.testing.assert_array_equal(got_sizes, sizes)
+
+
 def test_ranked_positions_hostile_ranks(cuda_k, cpu_k):
     """Ranks past their class, negative ranks, a class the base lacks: -1 and not counted."""
     rng = np.random.default_rng(23)

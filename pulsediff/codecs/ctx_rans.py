@@ -349,11 +349,10 @@ class CtxRans(Codec):
     def locate(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
         """Positions (entry order, where `base` lives) and zigzag deltas of the changed elements:
         the class counts and the rank walk run on `base`'s device, the entropy decode here."""
-        entries, (starts, sizes) = _decode_entries(payload, params, ctx, scratch,
-                                                   lambda shift, mask: kernels.chunk_class_starts(base, shift, mask))
-        entries.check_classes(sizes.copy_to_host() if hasattr(sizes, "copy_to_host") else sizes, ctx)
-        where, found = kernels.ranked_positions(base, entries.shift, entries.mask, starts, entries.offsets,
-                                                entries.ranks)
+        entries, _ = _decode_entries(payload, params, ctx, scratch)
+        where, found, sizes = kernels.locate_ranked(base, entries.shift, entries.mask, entries.offsets,
+                                                    entries.ranks)
+        entries.check_classes(sizes, ctx)
         if found != entries.count:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return where, entries.deltas

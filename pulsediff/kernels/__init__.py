@@ -86,6 +86,11 @@ class Backend(Protocol):
                          class_offsets: "np.ndarray", ranks: "np.ndarray") -> "tuple[np.ndarray, int]":
         """apply_ranked's walk, noting where each (class, rank) entry lies (-1: not found); and how many were."""
 
+    def locate_ranked(self, base: "np.ndarray", shift: int, mask: int, class_offsets: "np.ndarray",
+                      ranks: "np.ndarray") -> "tuple[np.ndarray, int, np.ndarray]":
+        """chunk_class_starts then ranked_positions, as each backend does them best: the
+        entries' positions (-1: not found), how many were found, and the base's class sizes."""
+
     def add_at(self, out: "np.ndarray", positions: "np.ndarray",
                deltas: "np.ndarray") -> "tuple[np.ndarray, int]":
         """out[positions] += un-zigzagged deltas in place; the old values (an undo log) and the out-of-range count."""

@@ -584,6 +584,13 @@ def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, r
     return done
 
 
+def locate_ranked(base, shift, mask, class_offsets, ranks) -> tuple[np.ndarray, int, np.ndarray]:
+    """The entries' positions (-1: not found), how many were found, and the class sizes."""
+    starts, sizes = chunk_class_starts(base, shift, mask)
+    where, found = ranked_positions(base, shift, mask, starts, class_offsets, ranks)
+    return where, found, sizes
+
+
 def ranked_positions(base, shift, mask, starts, class_offsets, ranks) -> tuple[np.ndarray, int]:
     """Where each (class, rank) entry lies in `base`: positions in entry order (-1 for an entry
     whose rank is outside its class or not above the previous one's), and how many were found.

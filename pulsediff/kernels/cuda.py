@@ -1066,6 +1066,49 @@ def ranked_positions(base, shift: int, mask: int, starts, class_offsets, ranks):
     return (where if on_device else where.copy_to_host()), found
 
 
+def _sort_on_gpu(*arrays) -> bool:
+    """Whether the class-sort path (kernels.class_sort, torch on the GPU) takes these arrays:
+    a real GPU (not the simulator, whose device memory torch cannot see), a CUDA build of
+    torch, and the main array already on the device."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM or not is_device_array(arrays[0]):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _torch_of(a):
+    """A device array (or exporter) as a torch CUDA tensor over the same memory, as signed
+    integers of its width (torch's unsigned types support few operations)."""
+    import torch
+
+    d = _device_view(a)
+    signed = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[np.dtype(d.dtype).itemsize]
+    return torch.as_tensor(d.view(signed), device="cuda")
+
+
+def locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
+    """The entries' positions in `base` (-1: not found), how many were found, and the base's
+    class sizes. For a base in GPU memory on a real GPU, by a stable sort of its class keys
+    (kernels.class_sort: CUB's radix sort through torch, one digit pass for BF16); otherwise by
+    `chunk_class_starts` and the rank walk of `ranked_positions`. Positions stay on the device
+    when the base is there; sizes come back to the host (a few KiB)."""
+    _check_class_field(shift, mask)
+    if _sort_on_gpu(base):
+        from . import class_sort
+
+        ranks_t = _torch_of(ranks) if is_device_array(ranks) else ranks
+        where, found, sizes = class_sort.locate_ranked(_torch_of(base), shift, mask, class_offsets, ranks_t)
+        return _as_cuda_array(where), found, sizes.cpu().numpy()
+    starts, sizes = chunk_class_starts(base, shift, mask)
+    where, found = ranked_positions(base, shift, mask, starts, class_offsets, ranks)
+    return where, found, sizes.copy_to_host() if hasattr(sizes, "copy_to_host") else sizes
+
+
 @cuda.jit(cache=True)
 def _zigzag_and_classes(old, positions, values, shift, mask, wmask, half, zigzag, classes):
     # Per changed element: new - old modulo 2**width as a signed value, zigzag-coded
@@ -1093,6 +1136,8 @@ def diff_ranks(old, new, shift: int, mask: int):
     """
     _check_class_field(shift, mask)
     on_device = is_device_array(old) or is_device_array(new)
+    if _sort_on_gpu(old) and is_device_array(new):
+        return _diff_ranks_sorted(old, new, shift, mask)
     o, nw = _arg(old), _arg(new)
     if o.size != nw.size or np.dtype(o.dtype).itemsize != np.dtype(nw.dtype).itemsize:
         raise ValueError("diff_ranks needs arrays of equal length and element width")
@@ -1116,6 +1161,21 @@ def diff_ranks(old, new, shift: int, mask: int):
     if on_device:
         return zigzag, classes, ranks, sizes
     return zigzag.copy_to_host(), classes.copy_to_host(), ranks.copy_to_host(), sizes.copy_to_host()
+
+
+def _diff_ranks_sorted(old, new, shift: int, mask: int):
+    """diff_ranks for two tensors in GPU memory, by kernels.class_sort (one compare, one sort of
+    the base's class keys per window); results on the device, in diff_ranks' dtypes."""
+    import torch
+
+    from . import class_sort
+
+    o = _torch_of(old)
+    zigzag, classes, ranks, sizes = class_sort.diff_ranks(o, _torch_of(new), shift, mask)
+    signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
+    zz = _as_cuda_array(zigzag.to(signed)).view(_UNSIGNED[o.element_size()])
+    cls = _as_cuda_array(classes.to(torch.int16)).view(np.uint16)
+    return zz, cls, _as_cuda_array(ranks), _as_cuda_array(sizes)
 
 
 # --- files on the device: one window of a tensor at a time ---------------------------------
