@@ -6,6 +6,7 @@ On a machine with an NVIDIA GPU, numba-cuda and a CUDA build of torch:
 
     python scripts/bench_gpu.py                      # 7B shape, 1% density, 5 repeats
     python scripts/bench_gpu.py --live               # also pulsediff.live.apply_to_state_dict end to end
+    python scripts/bench_gpu.py --make               # also pulsediff.make_patch_bytes from CUDA state dicts
     python scripts/bench_gpu.py --tiny               # a few thousand elements: checks the script runs
 
 Prints markdown tables. Every timing is the median of --repeats runs after one warm-up
@@ -33,6 +34,12 @@ What is measured:
 - the same patch applied as `pulsediff.live` does with check="sums" (the default for GPU
   tensors): word sum of the base, class counts, ranked_positions, add_at with its undo
   log, word sum of the target, per tensor.
+- the same with `locate_ranked` in place of chunk_class_starts + ranked_positions: on a real
+  GPU that is kernels.class_sort's stable sort of the class keys (torch, CUB), the path
+  `pulsediff.live` takes now; and the plain-torch baseline of systems that ship raw indices
+  and values: int32 positions and BF16 values from pinned memory, H2D, `index_copy_`.
+- with --make: `pulsediff.make_patch_bytes(old, new)` from two state dicts in GPU memory, next
+  to plain torch's compare (`nonzero(a != b)` and a gather) over the same tensors.
 - with --live: `pulsediff.live.apply_to_state_dict(tensors, patch)` on the same tensors
   with a real ctx-rans patch (made with make_patch_bytes from host copies), end to end:
   header and entropy decode on the CPU, everything else on the device.
@@ -282,7 +289,22 @@ def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[li
         n * w + m * 8, m * 8)
     row("add_at (with the undo log)", lambda: K.add_at(d_work, where, d_zig), m * (8 + 1 + w), m * 2 * w, restore)
     ok &= np.array_equal(d_work.copy_to_host(), new)
+    # What live apply runs now: class sizes and positions together (on a real GPU by the stable
+    # sort of kernels.class_sort; under the simulator by the walk above).
+    path = "class sort" if K._sort_on_gpu(d_old) else "walk"
+    where2, found2, _ = K.locate_ranked(d_old, SHIFT, MASK, offsets, d_ranks)
+    ok &= found2 == m and np.array_equal(_host(where2), _host(where))
+    row(f"locate_ranked ({path})", lambda: K.locate_ranked(d_old, SHIFT, MASK, offsets, d_ranks),
+        n * w + m * 8, m * 8)
+    row(f"diff_ranks ({path if path == 'class sort' else 'compact + class_ranks + gather'})",
+        lambda: K.diff_ranks(d_old, d_new, SHIFT, MASK), 2 * n * w, m * (w + 2 + 8))
+    zz, cls, rk, _ = K.diff_ranks(d_old, d_new, SHIFT, MASK)
+    ok &= np.array_equal(_host(rk), ranks.copy_to_host())
     return rows, bool(ok)
+
+
+def _host(a) -> np.ndarray:
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
 @dataclass
@@ -299,7 +321,7 @@ class Tensor:
     d_zigzag: object
 
 
-def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -> tuple[list[list[str]], bool, dict]:
+def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -> tuple[list[list[str]], bool, dict, list]:
     from numba import cuda
 
     from pulsediff.kernels import cuda as K
@@ -338,6 +360,18 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
             starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
             applied[0] += K.apply_ranked(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks, t.d_zigzag, t.dev)
 
+    def located_patch():
+        # The same, with class sizes and positions from locate_ranked (the class sort on a GPU).
+        applied[0] = 0
+        for t in tensors:
+            t.d_ranks.copy_to_device(t.h_ranks)
+            t.d_zigzag.copy_to_device(t.h_zigzag)
+            K.word_sum(t.dev)
+            where, found, _ = K.locate_ranked(t.dev, SHIFT, MASK, t.offsets, t.d_ranks)
+            K.add_at(t.dev, where, t.d_zigzag)
+            K.word_sum(t.dev)
+            applied[0] += found
+
     def checked_patch():
         # What pulsediff.live's check="sums" runs per tensor after the entropy decode: the base's
         # word sum, the class counts, the positions, the add with its undo log, the target's sum.
@@ -358,6 +392,9 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
     ok = applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
     t_checked = timed(checked_patch, repeats, setup=dense)
     ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
+    t_located = timed(located_patch, repeats, setup=dense)
+    ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
+    baseline = torch_index_copy_baseline(tensors, arrays, repeats) if isinstance(arrays, TorchTensors) else None
     nbytes = 2 * total
     rows = [[arrays.dense_copy, f"{nbytes:,}", f"{t_dense * 1e3:.1f}", gbps(nbytes, t_dense),
              "1.00"],
@@ -366,12 +403,73 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
             ["same, kernels only (entries already on the device)", "0", f"{t_kernels * 1e3:.1f}",
              gbps(nbytes, t_kernels), f"{t_dense / t_kernels:.2f}"],
             ["checked as live apply does: H2D + word_sum + chunk_class_starts + ranked_positions + add_at + word_sum",
-             f"{changes * 9:,}", f"{t_checked * 1e3:.1f}", gbps(nbytes, t_checked), f"{t_dense / t_checked:.2f}"]]
+             f"{changes * 9:,}", f"{t_checked * 1e3:.1f}", gbps(nbytes, t_checked), f"{t_dense / t_checked:.2f}"],
+            ["the same with locate_ranked (class sizes and positions in one call: "
+             f"{'class sort' if isinstance(arrays, TorchTensors) else 'walk'})",
+             f"{changes * 9:,}", f"{t_located * 1e3:.1f}", gbps(nbytes, t_located), f"{t_dense / t_located:.2f}"]]
+    if baseline is not None:
+        t_base, moved = baseline
+        rows.append(["plain torch baseline: int32 indices + bf16 values H2D from pinned memory, then index_copy_",
+                     f"{moved:,}", f"{t_base * 1e3:.1f}", gbps(nbytes, t_base), f"{t_dense / t_base:.2f}"])
     info = {"tensors": len(shapes), "elements": total, "changes": changes}
     if live:
         rows.append(live_apply(tensors, arrays, repeats, info))
         ok &= info["live_ok"]
-    return rows, bool(ok), info
+    return rows, bool(ok), info, tensors
+
+
+def torch_index_copy_baseline(tensors, arrays, repeats: int) -> tuple[float, int]:
+    """What systems that ship raw indices and values do (vLLM's sparse updates: index_copy_):
+    int32 positions and BF16 values in pinned memory, copied over and scattered per tensor."""
+    import torch
+
+    staged = []
+    for t in tensors:
+        target = torch.from_numpy(t.expected.view(np.int16))
+        base = torch.from_numpy(arrays.host_bits(t.dense).reshape(-1).view(np.int16))
+        idx = torch.nonzero(target != base).squeeze(1)
+        staged.append((t, idx.to(torch.int32).pin_memory(), target[idx].pin_memory()))
+
+    def run():
+        for t, idx, vals in staged:
+            flat = t.dev.view(-1).view(torch.int16)
+            flat.index_copy_(0, idx.to("cuda", non_blocking=True).long(), vals.to("cuda", non_blocking=True))
+
+    seconds = timed(run, repeats, setup=lambda: [t.dev.copy_(t.dense) for t in tensors])
+    ok = all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
+    if not ok:
+        raise SystemExit("index_copy_ baseline did not rebuild the target")
+    return seconds, sum(idx.numel() * 6 for _, idx, _ in staged)
+
+
+def make_from_state_dicts(tensors, arrays, repeats: int, info: dict) -> list[list[str]]:
+    """pulsediff.make_patch_bytes from two state dicts in GPU memory, next to plain torch's
+    compare (`nonzero(a != b)` and a gather of the new values) over the same tensors."""
+    import torch
+
+    from pulsediff.make import make_patch_bytes
+
+    old = {t.name: t.dev for t in tensors}
+    new = {t.name: torch.from_numpy(t.expected.view(np.int16).reshape(t.shape)).view(torch.bfloat16).cuda()
+           for t in tensors}
+    for t in tensors:
+        t.dev.copy_(t.dense)
+
+    def compare():
+        for name in old:
+            a, b = old[name].view(-1).view(torch.int16), new[name].view(-1).view(torch.int16)
+            idx = torch.nonzero(a != b).squeeze(1)
+            b[idx]
+
+    t_compare = timed(compare, repeats)
+    make_repeats = max(1, min(repeats, 3))
+    patch = make_patch_bytes(old, new)
+    t_make = timed(lambda: make_patch_bytes(old, new), make_repeats)
+    nbytes = 4 * info["elements"]
+    return [[f"`pulsediff.make_patch_bytes` from two CUDA state dicts ({len(patch):,}-byte patch), median of "
+             f"{make_repeats}", f"{t_make * 1e3:.1f}", gbps(nbytes, t_make)],
+            ["plain torch: nonzero(a != b) + gather of the new values, every tensor", f"{t_compare * 1e3:.1f}",
+             gbps(nbytes, t_compare)]]
 
 
 def live_apply(tensors, arrays, repeats: int, info: dict) -> list[str]:
@@ -409,6 +507,8 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-mib", type=float, default=1024.0, help="MiB copied for the copy bandwidth")
     ap.add_argument("--model", choices=["7b", "none"], default="7b")
     ap.add_argument("--live", action="store_true", help="also time pulsediff.live.apply_to_state_dict")
+    ap.add_argument("--make", action="store_true",
+                    help="also time pulsediff.make_patch_bytes from two CUDA state dicts (needs torch with CUDA)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and blocks: a run that checks the script")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -459,13 +559,17 @@ def main(argv=None) -> int:
           "(effective GB/s = (read + written) / time)", ["what", "bytes read", "bytes written", "ms", "GB/s"], rows)
     print(f"\nkernel results bit for bit: {'yes' if ok else 'NO'}")
     if args.model != "none":
-        rows, model_ok, info = model_apply(shapes, arrays, args.density, args.repeats, rng, args.live)
+        rows, model_ok, info, model_tensors = model_apply(shapes, arrays, args.density, args.repeats, rng, args.live)
         shape_name = "a toy model (--tiny)" if args.tiny else "a 7B-shaped model"
         table(f"Applying a {args.density:.0%} patch to {shape_name} in GPU memory ({info['tensors']} tensors, "
               f"{info['elements']:,} BF16 elements, {info['changes']:,} changes)",
               ["what", "bytes moved host to device", "ms", "GB/s of weights", "x dense"], rows)
         print(f"\npatched tensors bit for bit: {'yes' if model_ok else 'NO'}")
         ok &= model_ok
+        if args.make and isinstance(arrays, TorchTensors):
+            rows = make_from_state_dicts(model_tensors, arrays, args.repeats, info)
+            table(f"Making the patch from two CUDA state dicts ({shape_name})", ["what", "ms", "GB/s of both models"],
+                  rows)
     return 0 if ok else 1
 
 

@@ -62,7 +62,7 @@ TESTS_RC=$?
 tail -n 15 "$OUT/tests.log"
 
 echo "== kernels and the 7B shape"
-if [ $QUICK = 1 ]; then BENCH_ARGS="--elements 16777216 --model none --repeats 3"; else BENCH_ARGS="--live"; fi
+if [ $QUICK = 1 ]; then BENCH_ARGS="--elements 16777216 --model none --repeats 3"; else BENCH_ARGS="--live --make --repeats 3"; fi
 # shellcheck disable=SC2086
 "$PY" scripts/bench_gpu.py $BENCH_ARGS > "$OUT/bench_gpu.md" 2>&1
 BENCH_RC=$?
