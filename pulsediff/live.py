@@ -389,15 +389,13 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
     scratch = Scratch()
     names, elements, counts = set(), 0, {}
-    for rec in records:  # sections in order: works on streams
-        payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
-        if payload is None or rec.name in aliases:  # an alias is written through its own name
-            continue
+    for rec, payload, decoded in _decoded_ahead(records, reader, aliases):  # sections in order: works on streams
         view = views[rec.name]
         kernels = _kernels_for(view)
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
         codec = get_codec(rec.section.codec)
-        located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch) if rec.op == "patch" else None
+        located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
+            if rec.op == "patch" else None
         if located is not None:
             positions, deltas = located
             count = rec.changed
@@ -438,6 +436,59 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
             names.add(alias)
             elements += counts[name]
     return _Step("applied", header.target_digest, names, elements)
+
+
+# Sections decoded ahead of the one being placed: bounded by count and by their payload bytes
+# (decoded entries take ~9 bytes per change, about what the payload's compressed form expands to
+# in 1-2 bytes per change: a few times the payload), so memory stays near this whatever the patch.
+DECODE_AHEAD_BYTES = 256 << 20
+
+
+def _decoded_ahead(records, reader, aliases):
+    """(record, payload, decoded entries or None) for every section that is written, in order.
+
+    The payloads are read in order (a patch may be a stream); the host half of each `patch`
+    section's locate (its entropy decode, `Codec.decode_changes`) runs on worker threads, as
+    many sections ahead as there are threads, so the CPU decodes the next tensors while this
+    one is placed and added on its device. A failed decode is raised when its turn comes;
+    nothing decoded is used before its turn."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    from .codecs import get_codec
+    from .codecs.base import SectionContext
+    from .kernels.threads import num_threads
+
+    depth = num_threads()
+    pending: deque = deque()
+    in_flight = 0
+    pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="pulsediff-decode") if depth > 1 else None
+    try:
+        for rec in records:
+            payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+            if payload is None or rec.name in aliases:  # an alias is written through its own name
+                continue
+            future = None
+            if pool is not None and rec.op == "patch":
+                codec = get_codec(rec.section.codec)
+                ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
+                future = pool.submit(codec.decode_changes, payload, rec.section.params, ctx)
+            pending.append((rec, payload, future))
+            in_flight += len(payload)
+            while len(pending) > depth or (len(pending) > 1 and in_flight > DECODE_AHEAD_BYTES):
+                rec0, payload0, future0 = pending.popleft()
+                in_flight -= len(payload0)
+                yield rec0, payload0, future0.result() if future0 is not None else None
+        while pending:
+            rec0, payload0, future0 = pending.popleft()
+            yield rec0, payload0, future0.result() if future0 is not None else None
+    finally:
+        if pool is not None:
+            for _, _, future in pending:
+                if future is not None:
+                    future.cancel()
+            wait([f for _, _, f in pending if f is not None])
+            pool.shutdown(wait=True)
 
 
 def _overwrite(view, values: np.ndarray) -> None:

@@ -82,10 +82,17 @@ class Codec(ABC):
         return self.decode(base, payload, params, ctx, kernels, scratch)
 
     def locate(self, base, payload: bytes, params: dict, ctx: SectionContext, kernels: ModuleType,
-               scratch: "Scratch"):
+               scratch: "Scratch", decoded=None):
         """The changes as (positions, zigzag deltas), positions in the memory `base` lives in (a
         device array stays on the device): what patching a live tensor in place needs, without
-        rebuilding it. None when the codec cannot (the caller decodes on the host instead)."""
+        rebuilding it. None when the codec cannot (the caller decodes on the host instead).
+        `decoded`: what `decode_changes` returned for this section, if the caller ran it ahead."""
+        return None
+
+    def decode_changes(self, payload: bytes, params: dict, ctx: SectionContext):
+        """The host-side half of `locate`, which needs no base: the section's entropy decode,
+        thread-safe, so that a caller can run it for the next tensors on worker threads while
+        this one is placed on its device. None when the codec has no such half."""
         return None
 
     def value_deltas(self, payload: bytes, params: dict, ctx: SectionContext) -> np.ndarray | None:

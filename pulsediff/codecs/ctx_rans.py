@@ -346,10 +346,17 @@ class CtxRans(Codec):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return out
 
-    def locate(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
+    def decode_changes(self, payload, params, ctx: SectionContext):
+        """The entries (ranks and deltas, class-major), decoded on the calling thread into
+        buffers of their own."""
+        return _decode_entries(payload, params, ctx, Scratch(), inline=True)[0]
+
+    def locate(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch,
+               decoded=None):
         """Positions (entry order, where `base` lives) and zigzag deltas of the changed elements:
-        the class counts and the rank walk run on `base`'s device, the entropy decode here."""
-        entries, _ = _decode_entries(payload, params, ctx, scratch)
+        the class sizes and the rank-to-position map run on `base`'s device, the entropy decode
+        here (or ahead of time: `decoded`, from decode_changes)."""
+        entries = decoded if decoded is not None else _decode_entries(payload, params, ctx, scratch)[0]
         where, found, sizes = kernels.locate_ranked(base, entries.shift, entries.mask, entries.offsets,
                                                     entries.ranks)
         entries.check_classes(sizes, ctx)
