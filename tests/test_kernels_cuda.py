@@ -538,6 +538,13 @@ def test_word_sum(cuda_k, cpu_k, dtype):
         assert cuda_k.word_sum(numba_cuda.to_device(a)) == want
     raw = rng.integers(0, 255, 8 * 40 + 1, dtype=np.uint8)
     assert cpu_k.word_sum(raw[1:]) == cuda_k.word_sum(raw[1:]) == word_sum_ref(raw[1:])
+    # Device views that start off an 8-byte boundary take the element-wise kernel; aligned ones
+    # read whole words: both must give the reference, every offset and tail.
+    a = rng.integers(0, np.iinfo(dtype).max, 301, dtype=dtype, endpoint=True)
+    d = numba_cuda.to_device(a)
+    for start in range(0, 9):
+        for stop in (start, start + 1, 150, 301):
+            assert cuda_k.word_sum(d[start:stop]) == word_sum_ref(a[start:stop]), (start, stop)
 
 
 def test_word_sum_large_on_cpu(cpu_k):

@@ -527,8 +527,12 @@ def _word_sum_range(words, lo, hi):
 
 def _word_sum_tail(data: np.ndarray, nwords: int) -> int:
     """The last, zero-padded word's term (Python ints: exact mod 2**64)."""
-    tail = bytes(data[8 * nwords:]) + bytes(8 - (data.size - 8 * nwords))
-    x = int.from_bytes(tail, "little") ^ ((nwords + 1) * WORD_SUM_PHI & 0xFFFFFFFFFFFFFFFF)
+    return word_term(data[8 * nwords:], nwords)
+
+
+def word_term(tail: np.ndarray, index: int) -> int:
+    """The term of word `index` when it holds these bytes (at most 8), zero-padded."""
+    x = int.from_bytes(bytes(tail) + bytes(8 - tail.size), "little") ^ ((index + 1) * WORD_SUM_PHI & 0xFFFFFFFFFFFFFFFF)
     for mult in (WORD_SUM_M1, WORD_SUM_M2):
         x ^= x >> 33
         x = x * mult & 0xFFFFFFFFFFFFFFFF
