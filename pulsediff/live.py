@@ -34,6 +34,7 @@ from an undo log of their old values at the changed positions.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -200,7 +201,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
     from .apply import open_patch, read_layout, rebuild_tensor
     from .codecs.base import Scratch
     from .inspect import tensor_ids
-    from .kernels import backend_for_gpu_data, get_backend
+    from .kernels import backend_for_gpu_data, cuda_backend, get_backend, parse_device
 
     if isinstance(patch, (bytes, bytearray, memoryview)):
         patch = io.BytesIO(bytes(patch))
@@ -223,13 +224,16 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
                              "apply it with check='digests'")
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
         use_sums = check == "sums" or (check == "auto" and on_gpu and has_sums)
-        if use_sums and on_gpu and backend_for_gpu_data(device) is None:
-            # `cpu` asked for, or a CUDA stack that cannot run (said once): the digests path
-            # checks on host copies and writes the changed elements through torch.
-            if check == "sums":
-                raise UsageError("check='sums' on GPU tensors runs the CUDA kernels, which are not in use "
-                                 "(device='cpu', or they cannot run here); use check='digests'")
-            use_sums = False
+        if use_sums and on_gpu:
+            if check == "sums" and parse_device(device) != "cpu":
+                cuda_backend()  # asked for: DeviceUnavailableError with the cause when CUDA cannot run
+            elif check == "sums":
+                raise UsageError("check='sums' on GPU tensors runs the CUDA kernels; device='cpu' excludes "
+                                 "them (use check='digests')")
+            elif backend_for_gpu_data(device) is None:
+                # `cpu` asked for, or a CUDA stack that cannot run (said once): the digests path
+                # checks on host copies and writes the changed elements through torch.
+                use_sums = False
         if use_sums:
             aliases = _aliases(tensors)
             views = {name: device_bits(t) for name, t in tensors.items() if name not in aliases}
@@ -389,43 +393,45 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
     scratch = Scratch()
     names, elements, counts = set(), 0, {}
-    for rec, payload, decoded in _decoded_ahead(records, reader, aliases):  # sections in order: works on streams
-        view = views[rec.name]
-        kernels = _kernels_for(view)
-        ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
-        codec = get_codec(rec.section.codec)
-        located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
-            if rec.op == "patch" else None
-        if located is not None:
-            positions, deltas = located
-            count = rec.changed
-            entry = _Undo(rec.name, view, positions)
-            undo.append(entry)
-            entry.old, bad = kernels.add_at(view, positions, deltas)
-            if bad:  # cannot happen once every entry was found; the kernel checks all the same
-                raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
-        else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
-            base = _host_copy(view) if rec.op == "patch" else None
-            new = rebuild_tensor(rec, payload, base, _kernels_for(np.empty(0)), reader.source, scratch)
-            if base is None:
-                entry = _Undo(rec.name, view, None)
+    # sections in order (works on streams); the generator is closed, its pool joined, on any exit
+    with contextlib.closing(_decoded_ahead(records, reader, aliases)) as sections:
+        for rec, payload, decoded in sections:
+            view = views[rec.name]
+            kernels = _kernels_for(view)
+            ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
+            codec = get_codec(rec.section.codec)
+            located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
+                if rec.op == "patch" else None
+            if located is not None:
+                positions, deltas = located
+                count = rec.changed
+                entry = _Undo(rec.name, view, positions)
                 undo.append(entry)
-                entry.old = _host_copy(view)
-                count = int(np.count_nonzero(new != entry.old))
-                _overwrite(view, new)
-            else:
-                positions = np.flatnonzero(new != base)
-                count = int(positions.size)
-                entry = _Undo(rec.name, view, positions, base[positions])
-                undo.append(entry)
-                kernels.scatter(view, positions, new[positions])
-        if kernels.word_sum(view) != int(rec.target_sum, 16):
-            raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
-        known[rec.name] = int(rec.target_sum, 16)
-        counts[rec.name] = count
-        if count:
-            names.add(rec.name)
-            elements += count
+                entry.old, bad = kernels.add_at(view, positions, deltas)
+                if bad:  # cannot happen once every entry was found; the kernel checks all the same
+                    raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
+            else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
+                base = _host_copy(view) if rec.op == "patch" else None
+                new = rebuild_tensor(rec, payload, base, _kernels_for(np.empty(0)), reader.source, scratch)
+                if base is None:
+                    entry = _Undo(rec.name, view, None)
+                    undo.append(entry)
+                    entry.old = _host_copy(view)
+                    count = int(np.count_nonzero(new != entry.old))
+                    _overwrite(view, new)
+                else:
+                    positions = np.flatnonzero(new != base)
+                    count = int(positions.size)
+                    entry = _Undo(rec.name, view, positions, base[positions])
+                    undo.append(entry)
+                    kernels.scatter(view, positions, new[positions])
+            if kernels.word_sum(view) != int(rec.target_sum, 16):
+                raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
+            known[rec.name] = int(rec.target_sum, 16)
+            counts[rec.name] = count
+            if count:
+                names.add(rec.name)
+                elements += count
     for f in header.files:  # a model folder's config and tokenizer: checked, not used here
         if f.section is not None:
             reader.read_next(f.section, f"file {f.name!r}")
@@ -438,10 +444,12 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     return _Step("applied", header.target_digest, names, elements)
 
 
-# Sections decoded ahead of the one being placed: bounded by count and by their payload bytes
-# (decoded entries take ~9 bytes per change, about what the payload's compressed form expands to
-# in 1-2 bytes per change: a few times the payload), so memory stays near this whatever the patch.
-DECODE_AHEAD_BYTES = 256 << 20
+# Sections decoded ahead of the one being placed: bounded by count (the worker threads, at
+# most DECODE_AHEAD_SECTIONS) and by what they hold once decoded (~9 bytes per change: an int64
+# rank and a delta, about ten times the payload's ~1 byte), so memory stays near this whatever
+# the patch.
+DECODE_AHEAD_BYTES = 1 << 30
+DECODE_AHEAD_SECTIONS = 16
 
 
 def _decoded_ahead(records, reader, aliases):
@@ -459,7 +467,7 @@ def _decoded_ahead(records, reader, aliases):
     from .codecs.base import SectionContext
     from .kernels.threads import num_threads
 
-    depth = num_threads()
+    depth = min(num_threads(), DECODE_AHEAD_SECTIONS)
     pending: deque = deque()
     in_flight = 0
     pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="pulsediff-decode") if depth > 1 else None
@@ -474,10 +482,10 @@ def _decoded_ahead(records, reader, aliases):
                 ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
                 future = pool.submit(codec.decode_changes, payload, rec.section.params, ctx)
             pending.append((rec, payload, future))
-            in_flight += len(payload)
+            in_flight += _decoded_bytes(rec, payload)
             while len(pending) > depth or (len(pending) > 1 and in_flight > DECODE_AHEAD_BYTES):
                 rec0, payload0, future0 = pending.popleft()
-                in_flight -= len(payload0)
+                in_flight -= _decoded_bytes(rec0, payload0)
                 yield rec0, payload0, future0.result() if future0 is not None else None
         while pending:
             rec0, payload0, future0 = pending.popleft()
@@ -489,6 +497,11 @@ def _decoded_ahead(records, reader, aliases):
                     future.cancel()
             wait([f for _, _, f in pending if f is not None])
             pool.shutdown(wait=True)
+
+
+def _decoded_bytes(rec, payload: bytes) -> int:
+    """What a section holds in memory until its turn: its payload and its decoded entries."""
+    return len(payload) + 9 * rec.changed
 
 
 def _overwrite(view, values: np.ndarray) -> None:

@@ -103,3 +103,14 @@ def test_empty_inputs():
     assert where.numel() == 0 and found == 0
     with pytest.raises(ValueError):
         class_sort.diff_ranks(torch.zeros(4, dtype=torch.int16), torch.zeros(5, dtype=torch.int16), 7, 255)
+
+
+def test_bad_class_offsets_are_refused_before_any_device_work():
+    base = torch.zeros(10, dtype=torch.int16)
+    ranks = np.array([0, 1], np.int64)
+    good = np.zeros(257, np.int64)
+    good[1:] = 2
+    assert class_sort.locate_ranked(base, 7, 255, good, ranks)[1] == 2
+    for bad in (good[:100], np.r_[1, good[1:]], np.r_[good[:-1], 3], np.r_[0, 2, 1, good[3:]]):
+        with pytest.raises(ValueError, match="class_offsets"):
+            class_sort.locate_ranked(base, 7, 255, bad, ranks)

@@ -224,3 +224,38 @@ def test_live_writes_through_torch_views_match_numpy():
         undo = [_Undo("t", view, positions, before[positions].view(np.dtype(f"u{before.itemsize}")))]
         assert _roll_back(undo) == []
         assert np.array_equal(view.numpy(), before)
+
+
+@pytest.mark.parametrize("make_error", [
+    lambda: __import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    lambda: RuntimeError("CUDA error: an illegal memory access was encountered"),
+])
+def test_torch_failures_on_the_sort_path_are_device_errors(make_error):
+    """The class-sort path runs torch on the GPU: its out-of-memory and CUDA errors are the
+    stack's failures too (one line; auto falls back), not pulsediff bugs."""
+    from pulsediff.kernels import cuda as backend
+
+    def sort_that_fails():
+        raise make_error()
+
+    with pytest.raises(DeviceUnavailableError, match="CUDA") as info:
+        backend._guarded(sort_that_fails)()
+    assert "Traceback" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_out_of_memory_probe_is_tried_again(fresh_probe, monkeypatch):
+    """A full device may have room later: the probe forgets an out-of-memory failure (and
+    remembers a lasting one)."""
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    real = cuda.to_device
+
+    def failing_upload(*args, **kwargs):
+        raise CudaAPIError(2, "CUDA_ERROR_OUT_OF_MEMORY")
+
+    monkeypatch.setattr(cuda, "to_device", failing_upload)
+    with pytest.raises(DeviceUnavailableError):
+        kernels.cuda_backend()
+    monkeypatch.setattr(cuda, "to_device", real)
+    assert kernels.cuda_backend().__name__ == "pulsediff.kernels.cuda"

@@ -129,7 +129,10 @@ def cuda_backend() -> ModuleType:
         backend, reason = _cuda_state
         if backend is None and not reason:
             backend, reason = _probe_cuda()
-            _cuda_state = (backend, reason)
+            # A full device may have room again later: only lasting causes (no driver, a stack
+            # that cannot import or compile) are remembered for the life of the process.
+            if backend is not None or not _transient(reason):
+                _cuda_state = (backend, reason)
     if backend is None:
         raise DeviceUnavailableError(reason)
     return backend
@@ -158,6 +161,10 @@ def _probe_cuda() -> "tuple[ModuleType | None, str]":
     except DeviceUnavailableError as exc:
         return None, exc.reason
     return backend, ""
+
+
+def _transient(reason: str) -> bool:
+    return "OUT_OF_MEMORY" in reason or "out of memory" in reason.lower()
 
 
 def _first_line(exc: BaseException) -> str:

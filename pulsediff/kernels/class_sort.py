@@ -15,17 +15,20 @@ digit pass for BF16's 256 exponent classes, at memory speed, written and tuned b
 replaces a hand-written rank walk whose speed depends on how the changes fall (issue 26
 measured the Numba walk at 16-32 GB/s on an H100, under 2% of its copy bandwidth).
 
-Byte budget per base element, BF16 (mask 255): the class kernel reads 2 B and writes a 1-byte
-key; the histogram reads 1 B; the sort reads the key and an int64 index and writes both
-(CUB's onesweep: about 1 + 8 + 1 + 8 B, plus its digit histogram pass over the keys). So
-about 21 B per element against the 2 B a plain read of the tensor costs: a 6.74e9-element 7B
-model is ~140 GB of traffic, ~60 ms at the 2.4-2.7 TB/s an H100 copies at. The gathers touch
-only the ~1% of listed entries. scripts/bench_gpu.py measures it next to the Numba walk.
+Byte budget per base element, BF16 (mask 255), as torch runs it (one kernel per operation, no
+fusion): the shift reads 2 B and writes 2 B, the mask rewrites them in place (2 + 2), the
+narrowing to a uint8 key reads 2 and writes 1, the histogram reads 1; the sort writes the int64
+index sequence (8), then reads key and index and writes both (CUB's onesweep: 1 + 8 + 1 + 8,
+plus a digit-histogram pass over the keys, 1). About 39 B per element against the 2 B a plain
+read of the tensor costs: a 6.74e9-element 7B model is ~260 GB of traffic, ~100 ms at the
+2.4-2.7 TB/s an H100 copies at. A fused key kernel (2 B in, 1 B out) would save 9 B of it.
+The gathers touch only the ~1% of listed entries. scripts/bench_gpu.py measures it next to the
+Numba walk. Each window also costs a few host synchronisations (nonzero, the found count).
 
-Memory: the tensor is taken in windows of WINDOW elements (class keys, sorted keys, int64
-permutation and CUB's scratch: ~20 B per element of a window, 320 MiB at 2**24), whatever the
-tensor's size; a class's ranks then continue from the windows before (`seen`), as in the CPU
-backend's `ranked_window`.
+Memory: the tensor is taken in windows of WINDOW elements (the two 2-byte temporaries, keys,
+sorted keys, int64 permutation and CUB's scratch: ~30 B per element of a window, ~0.5 GiB at
+2**24), whatever the tensor's size; a class's ranks then continue from the windows before
+(`seen`), as in the CPU backend's `ranked_window`.
 
 The same code runs on CPU tensors, which is how it is checked against tests/reference.py on
 machines without a GPU; the CUDA backend uses it for tensors in GPU memory
@@ -58,11 +61,23 @@ def _signed_view(t):
 
 def class_keys(bits, shift: int, mask: int):
     """(bits >> shift) & mask, as the narrowest integer that holds mask (uint8 for <= 255:
-    a one-digit radix sort)."""
+    a one-digit radix sort). Computed in the bits' own signed width: FORMAT.md's s + b <= W
+    keeps the field inside the element, so the arithmetic shift's copies of the sign bit are
+    masked off, and no wider temporary is made."""
     torch = _torch()
-    wide = torch.int64 if bits.element_size() == 8 else torch.int32
-    keys = (bits.to(wide) >> shift) & mask
+    keys = bits >> shift
+    keys &= mask
     return keys.to(torch.uint8 if mask <= 255 else torch.int16)
+
+
+def check_offsets(class_offsets, ncls: int, m: int) -> np.ndarray:
+    """Class-major entry offsets as the walks require them (kernels.cuda's _walk_tables):
+    ncls + 1 of them, from 0, never falling, ending at the entry count. Checked on the host
+    before anything reaches a device, where a bad one would trip a device-side assert."""
+    offsets = np.ascontiguousarray(class_offsets, np.int64).reshape(-1)
+    if offsets.size < ncls + 1 or offsets[0] != 0 or offsets[ncls] != m or (np.diff(offsets[:ncls + 1]) < 0).any():
+        raise ValueError("class_offsets must rise from 0 to the number of entries, one per class and one more")
+    return offsets[:ncls + 1]
 
 
 def _windows(n: int, window: int):
@@ -70,29 +85,44 @@ def _windows(n: int, window: int):
     return ((lo, min(n, lo + window)) for lo in range(0, n, window))
 
 
+def _sizes(keys, ncls: int):
+    """Elements per class (int64, ncls): bincount of the keys as they are (uint8 or int16)."""
+    torch = _torch()
+    return torch.bincount(keys if keys.dtype == torch.uint8 else keys.to(torch.int32), minlength=ncls)[:ncls]
+
+
+def _stable_order(keys, mask: int):
+    """The stable argsort of the class keys; with one class, position order itself."""
+    torch = _torch()
+    if mask == 0:
+        return torch.arange(keys.numel(), device=keys.device)
+    return torch.sort(keys, stable=True).indices
+
+
 def locate_ranked(base, shift: int, mask: int, class_offsets, ranks, window: int = WINDOW):
     """Where each (class, rank) entry lies in `base` (flat integer bit patterns, any device):
     int64 positions in entry order, -1 for an entry whose rank is outside its class or not
-    above the previous entry's of its class (as `apply_ranked` skips them); how many were
-    found; and the base's class sizes (int64, mask + 1). Entries are class-major:
-    entries class_offsets[c] .. class_offsets[c + 1] - 1 belong to class c."""
+    above the previous entry's of its class; how many were found; and the base's class sizes
+    (int64, mask + 1). Entries are class-major: entries class_offsets[c] .. class_offsets[c +
+    1] - 1 belong to class c (checked: ValueError otherwise). Ranks that do not rise within a
+    class mean a damaged patch: the walks may find a different number of such entries, but
+    never all of them, so a caller that requires every entry found refuses it either way."""
     torch = _torch()
     bits = _signed_view(base)
     dev = bits.device
     ncls = mask + 1
-    offsets = torch.as_tensor(np.ascontiguousarray(class_offsets, np.int64)).to(dev)
     ranks = torch.as_tensor(np.ascontiguousarray(ranks, np.int64)).to(dev) if not torch.is_tensor(ranks) \
         else ranks.to(dev, torch.int64)
     m = ranks.numel()
-    counts = offsets[1:ncls + 1] - offsets[:ncls]
+    counts = torch.as_tensor(np.diff(check_offsets(class_offsets, ncls, m))).to(dev)
     entry_class = torch.repeat_interleave(torch.arange(ncls, device=dev), counts, output_size=m)
     where = torch.full((m,), -1, dtype=torch.int64, device=dev)
     seen = torch.zeros(ncls, dtype=torch.int64, device=dev)
     for lo, hi in _windows(bits.numel(), window):
         keys = class_keys(bits[lo:hi], shift, mask)
-        sizes = torch.bincount(keys.to(torch.int32), minlength=ncls)[:ncls]
+        sizes = _sizes(keys, ncls)
         if m:
-            perm = torch.sort(keys, stable=True).indices
+            perm = _stable_order(keys, mask)
             first = seen[entry_class]
             inside = (ranks >= first) & (ranks < first + sizes[entry_class])
             k = torch.nonzero(inside).squeeze(1)
@@ -124,10 +154,10 @@ def diff_ranks(old, new, shift: int, mask: int, window: int = WINDOW):
     for lo, hi in _windows(a.numel(), window):
         wa, wb = a[lo:hi], b[lo:hi]
         keys = class_keys(wa, shift, mask)
-        sizes = torch.bincount(keys.to(torch.int32), minlength=ncls)[:ncls]
+        sizes = _sizes(keys, ncls)
         changed = wa != wb
         if bool(changed.any()):
-            perm = torch.sort(keys, stable=True).indices
+            perm = _stable_order(keys, mask)
             s = torch.nonzero(changed[perm]).squeeze(1)  # sorted slots of the changed elements
             pos = perm[s]
             cls = keys[pos].to(torch.int64)

@@ -1102,7 +1102,8 @@ def locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
         from . import class_sort
 
         ranks_t = _torch_of(ranks) if is_device_array(ranks) else ranks
-        where, found, sizes = class_sort.locate_ranked(_torch_of(base), shift, mask, class_offsets, ranks_t)
+        offsets = _device_view(class_offsets).copy_to_host() if is_device_array(class_offsets) else class_offsets
+        where, found, sizes = class_sort.locate_ranked(_torch_of(base), shift, mask, offsets, ranks_t)
         return _as_cuda_array(where), found, sizes.cpu().numpy()
     starts, sizes = chunk_class_starts(base, shift, mask)
     where, found = ranked_positions(base, shift, mask, starts, class_offsets, ranks)
@@ -1391,25 +1392,33 @@ def probe() -> None:
         raise DeviceUnavailableError("a test kernel gave a wrong result")
 
 
+# Top-level packages whose exceptions are the CUDA stack's, not pulsediff's own checks.
+_STACK_PACKAGES = ("numba", "numba_cuda", "cuda", "cuda_core", "cuda_bindings", "llvmlite")
+
+
 def _from_cuda_stack(exc: BaseException) -> bool:
-    """Whether the exception comes from numba, numba-cuda or the CUDA bindings (a driver,
-    compile, launch or allocation failure) rather than from this module's own checks: by its
-    type (CudaAPIError, CudaSupportError, numba's compile errors) or by where it was raised."""
-    if type(exc).__module__.split(".")[0] in ("numba", "numba_cuda", "cuda", "llvmlite"):
+    """Whether the exception is a failure of the CUDA stack (driver, compile, launch,
+    allocation) rather than of this module's own checks: by its type (CudaAPIError,
+    CudaSupportError, numba's compile errors; torch's out-of-memory and accelerator errors, and
+    torch's "CUDA error" RuntimeErrors, from the class-sort path), or by the module of the frame
+    that raised it (numba-cuda raising a built-in exception, e.g. numpy 2.5's AttributeError)."""
+    kind = type(exc)
+    if kind.__module__.split(".")[0] in _STACK_PACKAGES:
+        return True
+    if kind.__module__.split(".")[0] == "torch":  # torch.OutOfMemoryError, torch.AcceleratorError
+        return True
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "CUDA" in str(exc)):
         return True
     tb = exc.__traceback__
-    last = None
+    module = None
     while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
+        module = tb.tb_frame.f_globals.get("__name__", "")
         tb = tb.tb_next
-    if last is None:
-        return False
-    parts = set(os.path.normpath(last).split(os.sep))
-    return bool(parts & {"numba", "numba_cuda", "cuda", "cuda_core", "cuda_bindings", "llvmlite"}) \
-        and os.path.normpath(last) != os.path.normpath(__file__)
+    return bool(module) and module.split(".")[0] in _STACK_PACKAGES
 
 
 _quiet_categories: tuple = ()
+_guard_lock = threading.RLock()
 
 
 def _warning_categories() -> tuple:
@@ -1433,7 +1442,10 @@ def _guarded(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with warnings.catch_warnings():
+        # catch_warnings swaps process-wide state: one guarded call at a time, so two threads'
+        # exits cannot interleave and leave the filters installed (re-entrant: entry points
+        # call each other).
+        with _guard_lock, warnings.catch_warnings():
             for category in _warning_categories():
                 warnings.simplefilter("ignore", category)
             # The simulator runs kernels as Python on NumPy scalars, whose wrap-around in the
