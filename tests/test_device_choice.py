@@ -190,6 +190,7 @@ def test_compile_notice_only_without_a_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(notices, "_said", set())
     monkeypatch.setattr(notices, "_quiet", False)
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     module = tmp_path / "kern.py"
     module.write_text("")
     kernels.compile_notice(str(module), "CUDA")
@@ -200,6 +201,49 @@ def test_compile_notice_only_without_a_cache(tmp_path, monkeypatch, capsys):
     (tmp_path / "__pycache__" / "kern._count-12.py311.nbi").write_bytes(b"")
     kernels.compile_notice(str(module), "CUDA")
     assert capsys.readouterr().err == ""
+    # NUMBA_CACHE_DIR set: Numba caches only there, so the entry beside the source does not count
+    monkeypatch.setattr(notices, "_said", set())
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "elsewhere"))
+    kernels.compile_notice(str(module), "CUDA")
+    assert "compiling CUDA kernels" in capsys.readouterr().err
+    # not to a pipe
+    monkeypatch.setattr(notices, "_said", set())
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    kernels.compile_notice(str(module), "CUDA")
+    assert capsys.readouterr().err == ""
+
+
+def test_first_make_on_a_cold_cache_says_it_compiles(tmp_path):
+    """On a terminal, a make with an empty Numba cache says once that it compiles the CPU kernels;
+    the next make, with the cache filled, says nothing. (A pty stands in for the terminal.)"""
+    import pty
+
+    rng = np.random.default_rng(3)
+    base = {"w": random_tensor(rng, "BF16", (64, 64))}
+    old = save(base, tmp_path / "old.safetensors")
+    new = save({"w": mutate(rng, base["w"], 0.05)}, tmp_path / "new.safetensors")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    said = []
+    for k in range(2):
+        out = tmp_path / f"p{k}"
+        master, slave = pty.openpty()
+        proc = subprocess.run([sys.executable, "-m", "pulsediff", "make", str(old), str(new), "-o", str(out)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave, env=env, timeout=600)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(master)
+        assert proc.returncode == 0
+        said.append(b"".join(chunks).decode(errors="replace"))
+    assert said[0].count("compiling CPU kernels") == 1, said[0]
+    assert "compiling" not in said[1], said[1]
 
 
 def test_live_writes_through_torch_views_match_numpy():

@@ -20,6 +20,7 @@ or fail on, CUDA.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -175,12 +176,17 @@ def _first_line(exc: BaseException) -> str:
 def compile_notice(module_file: str, what: str) -> None:
     """Say once, on stderr, that Numba is about to compile `what` kernels, when the module's
     kernels have no entry in Numba's disk cache yet (the first run on a machine, or after an
-    upgrade): the wait that follows is seconds, and a silent one looks like a hang."""
+    upgrade): the wait that follows is seconds, and a silent one looks like a hang. Only to a
+    terminal: a pipe or a log gets no line it did not ask for (stderr stays one line per error)."""
+    try:
+        if not sys.stderr.isatty():
+            return
+    except (AttributeError, ValueError):
+        return
     stem = os.path.splitext(os.path.basename(module_file))[0]
-    dirs = [os.path.join(os.path.dirname(module_file), "__pycache__")]
+    # Numba caches beside the source, or only under NUMBA_CACHE_DIR when that is set.
     cache_dir = os.environ.get("NUMBA_CACHE_DIR")
-    if cache_dir:
-        dirs.append(cache_dir)
+    dirs = [cache_dir] if cache_dir else [os.path.join(os.path.dirname(module_file), "__pycache__")]
     for d in dirs:
         for _root, _sub, files in os.walk(d):
             if any(f.startswith(stem + ".") and f.endswith(".nbi") for f in files):
@@ -199,6 +205,19 @@ def get_backend(device: str | None = None) -> "Backend | ModuleType":
     device = parse_device(device)
     if device == "cuda":
         return cuda_backend()
+    return cpu_backend()
+
+
+_cpu_announced = False
+
+
+def cpu_backend() -> ModuleType:
+    """The CPU kernels; the first time in a process, a one-line notice if Numba has them in no
+    disk cache yet (they then compile, seconds of silence otherwise)."""
+    global _cpu_announced
+    if not _cpu_announced:
+        _cpu_announced = True
+        compile_notice(os.path.join(os.path.dirname(__file__), "cpu.py"), "CPU")
     from . import cpu
 
     return cpu
