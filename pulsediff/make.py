@@ -31,7 +31,7 @@ from .errors import UsageError, refuse_existing
 from .folder_files import file_hash, folder_files, read_folder_file
 from .format import SectionRef, encode_header, encode_preamble, section_checksum
 from .kernels import get_backend
-from .kernels.threads import parallel_map
+from .kernels.threads import num_threads, parallel_map
 from .patch import FILE_CODEC, LAYOUT_CODEC, FileRecord, Layout, LayoutFile, PatchHeader, TensorRecord
 from .progress import SILENT, Progress
 from .safetensors_io import build_header
@@ -180,7 +180,11 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     # Tensors are encoded side by side (their compares on the kernel threads, each
     # one's entropy coding on a thread of its own) while the next are read and
     # hashed; sections are written in order.
-    encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu") and not target.reuses_buffers)
+    # PULSEDIFF_THREADS=1 means one busy thread: then each tensor is encoded where it is read,
+    # not on an encoding thread beside the main one's hashing (which made "1 thread" use two
+    # cores: issue 27's thread scaling compared two cores with two cores).
+    encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu") and not target.reuses_buffers
+                       and num_threads() > 1)
     ahead = _ReadAhead(old.ckpt, target.prefetch, target.entries)
     try:
         for k, (name, stored_bytes) in enumerate(target.entries):
@@ -329,8 +333,6 @@ class _Encoder:
     def __init__(self, pipelined: bool):
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
-
-        from .kernels.threads import num_threads
 
         self._depth = num_threads()
         self._pool = ThreadPoolExecutor(max_workers=self._depth, thread_name_prefix="pulsediff-encode") \
