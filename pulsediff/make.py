@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Mapping
 
 from . import __version__, mapped
@@ -177,9 +178,30 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             target.release(name)
         if name in old.ckpt:
             old.ckpt.release(name)
-    # Tensors are encoded side by side (their compares on the kernel threads, each
-    # one's entropy coding on a thread of its own) while the next are read and
-    # hashed; sections are written in order.
+
+    def record_of(tgt, base, result) -> TensorRecord:
+        """The record of a tensor with a base, from _check_and_encode's result; in order."""
+        (tgt_hash, tgt_sum, base_hash, base_sum), kind, diffed = result
+        base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
+        progress.advance(old.ckpt.entry(base.name).nbytes)
+        if kind == "same":
+            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash,
+                                  target_sum=tgt_sum, base_sum=tgt_sum)
+        else:
+            changed, enc = diffed if kind == "diff" else (tgt.bits.size, None)
+            codec, op = (sparse, "patch") if enc is not None else (full, "full")
+            if enc is None:
+                enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+            record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
+                                  base_hash if op == "patch" else None,
+                                  write_section(enc.parts, codec.id, enc.params),
+                                  tgt_sum, base_sum if op == "patch" else None)
+        release(tgt.name)
+        return record
+
+    # Tensors are checked and encoded side by side (hashes and compares on the kernel
+    # threads, each one's entropy coding on a thread of its own) while the next are
+    # read; sections are written in order.
     # PULSEDIFF_THREADS=1 means one busy thread: then each tensor is encoded where it is read,
     # not on an encoding thread beside the main one's hashing (which made "1 thread" use two
     # cores: issue 27's thread scaling compared two cores with two cores).
@@ -191,49 +213,20 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             ahead.reached(k)
             tgt = target.get(name)
             base = old.get(name) if name in old.ckpt else None
-            if base is not None:
-                (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(tensor_checks, [(tgt.bits,), (base.bits,)])
-                base_ids.append(TensorId(base.name, base.dtype.name, base.shape, base_hash))
-                progress.advance(old.ckpt.entry(name).nbytes)
-                if base.dtype is not tgt.dtype or base.shape != tgt.shape:
-                    base = None
-            else:
+            if base is None:  # no base tensor of that name: carried whole
                 tgt_hash, tgt_sum = tensor_checks(tgt.bits)
-            if base is None:
                 records.extend(encoder.finish())  # its section comes first
                 enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
                 records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
                                             section=write_section(enc.parts, full.id, enc.params),
                                             target_sum=tgt_sum))
                 release(name)
-            elif base_hash == tgt_hash:
-                # XXH3-128 equality stands for bit equality, as it does for the digests.
-                records.extend(encoder.finish())
-                records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash,
-                                            target_sum=tgt_sum, base_sum=tgt_sum))
-                release(name)
             else:
-                # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
-                max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
-
-                def encode(base=base, tgt=tgt, max_changed=max_changed):
-                    return sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
-                                              max_changed=max_changed)
-
-                def record_of(result, tgt=tgt, tgt_hash=tgt_hash, base_hash=base_hash, tgt_sum=tgt_sum,
-                              base_sum=base_sum) -> TensorRecord:
-                    changed, enc = result
-                    codec, op = (sparse, "patch") if enc is not None else (full, "full")
-                    if enc is None:
-                        enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
-                    record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
-                                          base_hash if op == "patch" else None,
-                                          write_section(enc.parts, codec.id, enc.params),
-                                          tgt_sum, base_sum if op == "patch" else None)
-                    release(tgt.name)
-                    return record
-
-                records.extend(encoder.submit(encode, record_of, tgt.bits.nbytes + base.bits.nbytes))
+                # Hashing, compare and coding are one task, so that an unchanged tensor (its
+                # hashes equal) does not drain the pipeline: the main thread only reads ahead
+                # and writes the finished sections in order.
+                records.extend(encoder.submit(partial(_check_and_encode, tgt, base, sparse, backend),
+                                              partial(record_of, tgt, base), tgt.bits.nbytes + base.bits.nbytes))
             progress.advance(stored_bytes)
         records.extend(encoder.finish())
     finally:
@@ -265,6 +258,23 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
         files=tuple(files),
         removed_files=tuple(removed_files),
     )
+
+
+def _check_and_encode(tgt, base, sparse, backend):
+    """One tensor with a base, as a task: both tensors' hash and word sum, then, unless they are
+    the same (XXH3-128 equality stands for bit equality, as it does for the digests) or the base
+    has another dtype or shape (then carried whole), the compare and the sparse coding. Returns
+    ((target hash, target sum, base hash, base sum), "same" | "full" | "diff", encode_pair's result)."""
+    (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(tensor_checks, [(tgt.bits,), (base.bits,)])
+    checks = (tgt_hash, tgt_sum, base_hash, base_sum)
+    if base.dtype is not tgt.dtype or base.shape != tgt.shape:
+        return checks, "full", None
+    if base_hash == tgt_hash:
+        return checks, "same", None
+    # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
+    max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+    return checks, "diff", sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
+                                              max_changed=max_changed)
 
 
 # How far ahead of the tensor being compared the pair is read into memory (page cache, not
