@@ -132,9 +132,9 @@ class StagedFiles:
         """Rename everything into place. Several changes in one existing folder (an in-place apply to a
         sharded checkpoint) are first written down in an intent record there, so that a kill between two
         renames is finished by the next pulsediff run that opens the folder (`finish_interrupted`)."""
-        from .interrupt import check
+        from . import interrupt
 
-        check()  # a Ctrl-C that a finalizer swallowed earlier stops us here, before anything is visible
+        interrupt.check()  # a Ctrl-C that a finalizer swallowed earlier stops us here, before anything is visible
         mapped.check()  # an input that shrank while read gave zeros: nothing made from it is published
         renames = [(tmp, final) for tmp, final in self._staged if final not in self._folders]
         by_folder: dict[Path, list] = {}
@@ -144,36 +144,47 @@ class StagedFiles:
             by_folder.setdefault(path.parent, [])
         journaled = [folder for folder, moves in by_folder.items()
                      if len(moves) + sum(p.parent == folder for p in self._removals) > 1]
+        with interrupt.deferred():  # Ctrl-C waits until the intent records and every rename are made
+            try:
+                for folder in journaled:
+                    _write_intent(folder, by_folder[folder], [p.name for p in self._removals if p.parent == folder])
+            except OSError as exc:
+                raise output_error(folder, exc) from None
+            self._commit_renames(by_folder, journaled)
+        for _, final in self._staged:
+            interrupt.committed(str(final))
+        self._staged.clear()
+        self._removals.clear()
+        interrupt.check()  # a Ctrl-C during the commit: raised now, with every output whole
+
+    def _commit_renames(self, by_folder: dict, journaled: list) -> None:
         try:
-            for folder in journaled:
-                _write_intent(folder, by_folder[folder], [p.name for p in self._removals if p.parent == folder])
-        except OSError as exc:
-            raise output_error(folder, exc) from None
-        try:
-            for tmp, final in self._staged:
-                if final in self._folders:
-                    os.chmod(tmp, _mode_for_folder())
-                    _fsync_dir(tmp)
-                    if final.exists():  # appeared while we worked: never replace a folder wholesale
-                        raise FileExistsError(errno.EEXIST, "it appeared while pulsediff was writing", str(final))
-                    os.rename(tmp, final)
-                else:
-                    os.replace(tmp, final)
-            for path in self._removals:
-                path.unlink(missing_ok=True)
-            for parent in {final.parent for _, final in self._staged} | set(by_folder):
-                _fsync_dir(parent)
-            for folder in journaled:
-                (folder / INTENT_NAME).unlink()
-                _fsync_dir(folder)
+            self._rename_all(by_folder, journaled)
         except OSError as exc:
             if journaled:  # the temporaries belong to the intent record now: the next run finishes the job
                 self._staged.clear()
                 raise OutputError(f"cannot finish writing {journaled[0]}: {exc.strerror or exc}; the next "
                                   "pulsediff run that opens it completes the update") from None
             raise output_error(self._staged[0][1], exc) from None
-        self._staged.clear()
-        self._removals.clear()
+
+    def _rename_all(self, by_folder: dict, journaled: list) -> None:
+        """The renames, removals and directory syncs that make the staged outputs visible."""
+        for tmp, final in self._staged:
+            if final in self._folders:
+                os.chmod(tmp, _mode_for_folder())
+                _fsync_dir(tmp)
+                if final.exists():  # appeared while we worked: never replace a folder wholesale
+                    raise FileExistsError(errno.EEXIST, "it appeared while pulsediff was writing", str(final))
+                os.rename(tmp, final)
+            else:
+                os.replace(tmp, final)
+        for path in self._removals:
+            path.unlink(missing_ok=True)
+        for parent in {final.parent for _, final in self._staged} | set(by_folder):
+            _fsync_dir(parent)
+        for folder in journaled:
+            (folder / INTENT_NAME).unlink()
+            _fsync_dir(folder)
 
     def discard(self) -> None:
         for tmp, final in self._staged:

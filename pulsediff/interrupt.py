@@ -11,6 +11,8 @@ the way still stops the command before its output becomes visible.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 
@@ -19,12 +21,49 @@ MESSAGE = "interrupted; no partial output was left"
 
 _seen = False
 _previous: list = []  # (SIGINT handler, unraisable hook) to put back when the command is over
+_deferring = 0  # inside `deferred()`: Ctrl-C is recorded, raised when the block is over
+_committed: list = [None, 0, None]  # the first output this command made visible, how many, their folder
 
 
 def _handler(signum, frame) -> None:
     global _seen
     _seen = True
-    raise KeyboardInterrupt
+    if not _deferring:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def deferred():
+    """A block Ctrl-C must not cut in two (the renames that make outputs visible): an interrupt
+    during it is recorded and raised by the next `check()`, once the block is whole."""
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+
+
+def committed(path: str) -> None:
+    """An output is now visible in full: an interrupt from here on must not say otherwise."""
+    folder = os.path.dirname(path)
+    if _committed[0] is None:
+        _committed[:] = [path, 0, folder]
+    elif _committed[2] != folder:
+        _committed[2] = None
+    _committed[1] += 1
+
+
+def message() -> str:
+    """What an interrupted command says: nothing was left, or which outputs were already complete."""
+    first, count, folder = _committed
+    if first is None:
+        return MESSAGE
+    if count == 1:
+        return f"interrupted after {first} was written in full (it is complete)"
+    if folder:  # a sharded checkpoint's files, in place
+        return f"interrupted after {folder} was updated in full ({count} files; it is complete)"
+    return f"interrupted after {first} and {count - 1} more were written in full (they are complete)"
 
 
 def _unraisable(info) -> None:
@@ -37,6 +76,7 @@ def install() -> None:
     """Record Ctrl-C (unless SIGINT is ignored, as under nohup) and keep swallowed ones quiet."""
     global _seen
     _seen = False
+    _committed[:] = [None, 0, None]
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         _previous[:] = [signal.default_int_handler, sys.unraisablehook]
         signal.signal(signal.SIGINT, _handler)

@@ -312,6 +312,50 @@ def test_ctrl_c_exits_even_when_a_thread_would_hold_up_the_exit(pair, tmp_path):
     assert list(out.parent.iterdir()) == []
 
 
+# Runs the CLI with a Ctrl-C delivered at a chosen point of the commit: "during" (between two
+# renames of a sharded in-place apply) or "after" (the commit is over, the command is not).
+CTRL_C_AT_COMMIT = """
+import os, signal, sys
+from pulsediff import atomic
+when = sys.argv.pop(1)
+real_rename, real_commit = atomic.os.replace, atomic.StagedFiles.commit
+def replace(src, dst, _n=[0]):
+    real_rename(src, dst)
+    _n[0] += 1
+    if when == "during" and _n[0] == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+def commit(self):
+    real_commit(self)
+    if when == "after":
+        os.kill(os.getpid(), signal.SIGINT)
+atomic.os.replace = replace
+atomic.StagedFiles.commit = commit
+from pulsediff.cli.main import main
+sys.argv = ["pulsediff", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_ctrl_c_at_an_in_place_commit_says_the_output_is_whole(tmp_path, when):
+    """A Ctrl-C between two renames of an in-place apply waits for the last one (all or
+    nothing), and a Ctrl-C once the commit is made does not claim nothing was left: both say
+    the checkpoint was written in full, exit 130, and the folder is the target."""
+    rng = np.random.default_rng(13)
+    base = {f"t{i}": random_tensor(rng, "BF16", (64, 32)) for i in range(4)}
+    target = {k: mutate(rng, v, 0.05) for k, v in base.items()}
+    folder = save_sharded(base, tmp_path / "ckpt", 2)
+    new = save_sharded(target, tmp_path / "new", 2)
+    run("make", folder, new, "-o", tmp_path / "p", "-q")
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_AT_COMMIT, when, "apply", str(folder), str(tmp_path / "p"),
+                           "--in-place", "-q"], capture_output=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr.decode()
+    err = proc.stderr.decode()
+    assert err == f"pulsediff: interrupted after {folder} was updated in full (3 files; it is complete)\n", err
+    assert run("digest", folder).stdout == run("digest", new).stdout
+    assert not list(folder.glob(".*pulsediff*"))  # no temporaries, no intent record left
+
+
 @pytest.mark.parametrize("args,contains", [
     (("make", "a", "b"), "Missing option '--output'"),
     (("make", "a", "b", "-o", "p", "--bogus"), "No such option: --bogus"),

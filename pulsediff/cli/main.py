@@ -185,7 +185,7 @@ def _run(argv: list[str] | None) -> int:
         return EXIT_BUG if not isinstance(exc, (PulsediffError, OSError, MemoryError)) else EXIT_ERROR
     if code == EXIT_INTERRUPTED:  # typer turned Ctrl-C into Exit(130)
         _silence_stdout()  # a half-written patch on stdout is not worth another error
-        _say(interrupt.MESSAGE)
+        _say(interrupt.message())  # "no partial output was left", or which output was already complete
         return EXIT_INTERRUPTED
     return code or EXIT_OK
 
