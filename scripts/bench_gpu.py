@@ -360,39 +360,36 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
             starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
             applied[0] += K.apply_ranked(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks, t.d_zigzag, t.dev)
 
-    def located_patch():
-        # The same, with class sizes and positions from locate_ranked (the class sort on a GPU).
-        applied[0] = 0
-        for t in tensors:
-            t.d_ranks.copy_to_device(t.h_ranks)
-            t.d_zigzag.copy_to_device(t.h_zigzag)
-            K.word_sum(t.dev)
-            where, found, _ = K.locate_ranked(t.dev, SHIFT, MASK, t.offsets, t.d_ranks)
-            K.add_at(t.dev, where, t.d_zigzag)
-            K.word_sum(t.dev)
-            applied[0] += found
+    def walk_positions(t):
+        starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
+        return K.ranked_positions(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks)
 
-    def checked_patch():
+    def sorted_positions(t):  # class sizes and positions in one call (the class sort on a GPU)
+        where, found, _ = K.locate_ranked(t.dev, SHIFT, MASK, t.offsets, t.d_ranks)
+        return where, found
+
+    def checked(positions):
         # What pulsediff.live's check="sums" runs per tensor after the entropy decode: the base's
-        # word sum, the class counts, the positions, the add with its undo log, the target's sum.
-        applied[0] = 0
-        for t in tensors:
-            t.d_ranks.copy_to_device(t.h_ranks)
-            t.d_zigzag.copy_to_device(t.h_zigzag)
-            K.word_sum(t.dev)
-            starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
-            where, found = K.ranked_positions(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks)
-            K.add_at(t.dev, where, t.d_zigzag)
-            K.word_sum(t.dev)
-            applied[0] += found
+        # word sum, the class sizes and positions, the add with its undo log, the target's sum.
+        def run():
+            applied[0] = 0
+            for t in tensors:
+                t.d_ranks.copy_to_device(t.h_ranks)
+                t.d_zigzag.copy_to_device(t.h_zigzag)
+                K.word_sum(t.dev)
+                where, found = positions(t)
+                K.add_at(t.dev, where, t.d_zigzag)
+                K.word_sum(t.dev)
+                applied[0] += found
+        return run
 
     t_dense = timed(dense, repeats)
     t_patch = timed(patch, repeats, setup=dense)
     t_kernels = timed(lambda: patch(upload=False), repeats, setup=dense)  # the entries stay where patch put them
     ok = applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
-    t_checked = timed(checked_patch, repeats, setup=dense)
+    t_checked = timed(checked(walk_positions), repeats, setup=dense)
     ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
-    t_located = timed(located_patch, repeats, setup=dense)
+    t_located = timed(checked(sorted_positions), repeats, setup=dense)
     ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
     baseline = torch_index_copy_baseline(tensors, arrays, repeats) if isinstance(arrays, TorchTensors) else None
     nbytes = 2 * total

@@ -90,7 +90,7 @@ fi
 if want cli; then
     echo "== the CLI on a file pair, each --device"
     if [ $QUICK = 1 ]; then GB=0.25; else GB=1.0; fi
-    "$PY" scripts/bench_cli_devices.py --gb $GB --density 0.02 --repeats 3 --workdir "$(mktemp -d)" \
+    "$PY" scripts/bench_variants.py --devices cpu auto cuda --gb $GB --density 0.02 --repeats 3 --workdir "$(mktemp -d)" \
         > "$OUT/cli_devices.md" 2>&1
     CLI_RC=$?
     cat "$OUT/cli_devices.md"

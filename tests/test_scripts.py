@@ -43,3 +43,16 @@ def test_bench_catchup_runs_on_a_tiny_series(tmp_path):
     assert {"catch-up [ctx-rans]", "apply 2 [ctx-rans]", "squash 2 [ctx-rans]"} <= set(r["ops"])
     assert all(op["median_s"] > 0 for op in r["ops"].values())
     assert all(all(op["cmp_ok"]) for op in r["ops"].values() if op.get("cmp_ok") is not None)
+
+
+def test_bench_variants_compares_thread_counts_and_devices(tmp_path):
+    """Issue 27's benchmark: rows per PULSEDIFF_THREADS value (and per --device, auto and cpu here),
+    each patch identical and each output cmp-identical, or the script fails."""
+    for variants in (["--threads", "1", "2"], ["--devices", "cpu", "auto"]):
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_variants.py"), *variants, "--gb", "0.002",
+                               "--repeats", "1", "--workdir", str(tmp_path / variants[0].strip("-"))],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {variants[1]} |")
+                or line.startswith(f"| {variants[2]} |")]
+        assert len(rows) == 2 and rows[0].endswith("| 1.00 | 1.00 |"), proc.stdout
