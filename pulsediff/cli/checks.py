@@ -49,15 +49,23 @@ def check_patch_paths(patches: list) -> None:
         _refuse_checkpoint_as_patch(path)
 
 
-def _refuse_checkpoint_as_patch(path: Path) -> None:
-    """A checkpoint where a patch belongs (apply's arguments swapped, say): say so, not "bad magic bytes"."""
-    from ..checkpoint import looks_like_safetensors
+def checkpoint_kind(path: Path) -> str | None:
+    """"safetensors" or "pickle" when the file starts like a checkpoint of that kind, else None
+    (unreadable included: reading it as a patch will say what is wrong)."""
+    from ..checkpoint import looks_like_pickle, looks_like_safetensors
 
     try:
         with open(path, "rb") as f:
             prefix = f.read(9)
     except OSError:
-        return  # reading the patch will say what is wrong
+        return None
     if looks_like_safetensors(prefix):
+        return "safetensors"
+    return "pickle" if looks_like_pickle(prefix) else None
+
+
+def _refuse_checkpoint_as_patch(path: Path) -> None:
+    """A checkpoint where a patch belongs (apply's arguments swapped, say): say so, not "bad magic bytes"."""
+    if checkpoint_kind(path) == "safetensors":
         raise InvalidPatchError(f"{path} is a checkpoint, not a patch; the base comes first: "
                                 f"pulsediff apply BASE PATCH -o OUT")

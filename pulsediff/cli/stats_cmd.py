@@ -109,16 +109,13 @@ _SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
 
 def _refuse_checkpoint_as_patch(path: Path) -> None:
     """A checkpoint given where a patch belongs: say so instead of "bad magic bytes"."""
-    from ..checkpoint import PICKLE_ADVICE, looks_like_pickle, looks_like_safetensors
+    from ..checkpoint import PICKLE_ADVICE
+    from .checks import checkpoint_kind
 
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(9)
-    except OSError:
-        return  # reading the patch will say what is wrong
-    if looks_like_safetensors(prefix):
+    kind = checkpoint_kind(path)
+    if kind == "safetensors":
         raise UsageError(f"{path} is a checkpoint, not a patch or a series folder; give OLD NEW to compare two checkpoints")
-    if looks_like_pickle(prefix):
+    if kind == "pickle":
         raise UsageError(f"{path} is not a patch: {PICKLE_ADVICE}")
 
 
