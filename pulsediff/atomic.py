@@ -96,24 +96,32 @@ class StagedFiles:
     @contextmanager
     def open(self, final: Path, direct: bool = False) -> Iterator[BinaryIO]:
         """A file to write `final` through. `direct`: large output, write it with O_DIRECT where possible."""
+        from . import interrupt
+
         final = Path(final)
+        # Ctrl-C between creating the temporary and recording it would leave it behind: deferred.
+        with interrupt.deferred():
+            try:
+                if final.parent in self._folders:  # inside a staged folder: the folder's rename is the commit
+                    tmp = self._folders[final.parent] / final.name
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+                else:
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    remove_stale_temporaries(final.parent)
+                    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(final), suffix=TMP_SUFFIX, dir=final.parent)
+                    self._staged.append((Path(tmp), final))
+            except OSError as exc:
+                raise output_error(final, exc) from None
         try:
-            if final.parent in self._folders:  # inside a staged folder: the folder's rename is the commit
-                tmp = self._folders[final.parent] / final.name
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-            else:
-                final.parent.mkdir(parents=True, exist_ok=True)
-                remove_stale_temporaries(final.parent)
-                fd, tmp = tempfile.mkstemp(prefix=temp_prefix(final), suffix=TMP_SUFFIX, dir=final.parent)
-                self._staged.append((Path(tmp), final))
-        except OSError as exc:
-            raise output_error(final, exc) from None
-        try:
+            interrupt.check()  # one that came meanwhile: raised now, the temporary recorded for discard
             os.fchmod(fd, _mode_for(final))
             direct = direct and _set_direct(fd)
         except OSError as exc:
             os.close(fd)
             raise output_error(final, exc) from None
+        except BaseException:
+            os.close(fd)
+            raise
         # What the caller raises goes through as it is: a read error of its input is not a write
         # error of OUT. The writers turn their own failures into OutputErrors naming `final`.
         if direct:
