@@ -664,7 +664,12 @@ class _PipelinedWriter:
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-writer")
+        from .kernels.threads import num_threads
+
+        # PULSEDIFF_THREADS=1 means one busy thread: the hashing then runs where the tensors are
+        # rebuilt (the writes still go to the disk in the background, see atomic._DirectWriter).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-writer") \
+            if num_threads() > 1 else None
         self._pending = None
 
     @staticmethod
@@ -677,7 +682,10 @@ class _PipelinedWriter:
 
     def put(self, f, data: memoryview, hasher=None, then=None) -> None:
         self.drain()
-        self._pending = self._pool.submit(self._write, f, data, hasher, then)
+        if self._pool is None:
+            self._write(f, data, hasher, then)
+        else:
+            self._pending = self._pool.submit(self._write, f, data, hasher, then)
 
     def drain(self) -> None:
         pending, self._pending = self._pending, None
@@ -697,7 +705,8 @@ class _PipelinedWriter:
 
     def close(self) -> None:
         self.abandon()
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def _seekable(stream) -> bool:
