@@ -1406,7 +1406,19 @@ def case_checkpoint(corpus: Corpus, rng: random.Random, work: Path, judge: Judge
         hostile = work / "h"
         shutil.copytree(old, hostile)
         r = rng.random()
-        if r < 0.6:
+        if r < 0.1:  # a shard or the index that cannot be read: refused with its name (issue 23), never skipped
+            victim = rng.choice([*sorted(hostile.glob("*.safetensors")), hostile / INDEX_NAME])
+            victim.unlink()
+            special = rng.randrange(4)
+            if special == 0:
+                victim.symlink_to(victim.name + ".gone")  # dangling
+            elif special == 1:
+                victim.symlink_to(victim.name)  # a loop
+            elif special == 2:
+                os.mkfifo(victim)
+            else:
+                victim.mkdir()
+        elif r < 0.6:
             shard = rng.choice(sorted(hostile.glob("*.safetensors")))
             shard.write_bytes(mutate_safetensors(rng, shard.read_bytes()))
         elif r < 0.85:
@@ -1555,11 +1567,19 @@ def case_manifest(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) 
         (folder / e["file"]).write_bytes(patched)
         if rng.random() < 0.6:
             e["bytes"] = len(patched)
-    else:
+    elif mode < 0.95:
         data = mutate_bytes(rng, json.dumps(obj).encode())
+    else:  # not a file at all (issue 23): a folder, or a link to nothing, where the manifest belongs
+        data = b""
     if data is None:
         data = json.dumps(obj, default=_json_default).encode()
-    (folder / MANIFEST).write_bytes(data)
+    if mode >= 0.95:
+        if rng.random() < 0.5:
+            (folder / MANIFEST).mkdir()
+        else:
+            (folder / MANIFEST).symlink_to("nowhere.json")
+    else:
+        (folder / MANIFEST).write_bytes(data)
     start = rng.choice([None, *truth])
     worker = work / "w.safetensors"
     if start is not None:
