@@ -20,6 +20,7 @@ import errno
 import mmap
 import os
 import stat
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,7 +275,8 @@ class Checkpoint:
                     mapped.unwatch(s._guard)
                     s._guard = None
                 except BufferError:
-                    pass  # a view is still alive; the map closes when it is collected (still guarded)
+                    # A view is still alive: the map closes when it is collected, guarded until then.
+                    weakref.finalize(s._map, mapped.unwatch, s._guard)
                 s._map = None
         if changed is not None:
             raise changed

@@ -12,8 +12,9 @@ for a fault past the end of a file (si_code BUS_ADRERR) inside a range
 registered here, it maps zero pages over the rest of that range
 (MAP_FIXED, anonymous), counts the fault against the range, and returns;
 the faulting load runs again and reads zeros. Any other SIGBUS (an address
-outside every range, an alignment or hardware error) restores the default
-action, and the process dies of it as before. Readers then learn of the
+outside every range, an alignment or hardware error, one sent by kill)
+gets back the action that was there before (the default, or
+faulthandler's) and meets it: the process dies of it as before. Readers then learn of the
 change before anything they computed is trusted: `check()` raises
 `CheckpointChangedError`, naming the file, when a range has faulted, and
 is called before an output is committed (atomic.StagedFiles.commit), before
@@ -47,6 +48,7 @@ from .errors import CheckpointChangedError, CheckpointReadError
 SLOTS = 1024  # ranges watched at once: one per mapped file of the open checkpoints
 
 _SIGBUS = 7  # Linux's number on x86-64 and AArch64
+_SIGACTION_BYTES = 152  # sizeof(struct sigaction) in glibc on x86-64 and AArch64 (see _SigAction)
 _SA_SIGINFO = 4
 _BUS_ADRERR = 2
 _PROT_READ = 1
@@ -62,8 +64,10 @@ def _ir(page: int, opaque: bool) -> str:
     return f"""
 @ranges = global [{2 * SLOTS} x i64] zeroinitializer
 @faulted = global [{SLOTS} x i64] zeroinitializer
+@oldaction = global [{_SIGACTION_BYTES} x i8] zeroinitializer
 declare {p} @mmap({p}, i64, i32, i32, i32, i64)
-declare {p} @signal(i32, {p})
+declare i32 @sigaction(i32, {p}, {p})
+declare i32 @raise(i32)
 
 define void @pulsediff_on_sigbus(i32 %sig, {p} %info, {p} %ctx) {{
 entry:
@@ -104,7 +108,14 @@ count:
   %old = atomicrmw add {p64} %fp, i64 1 seq_cst
   ret void
 fatal:
-  %d = call {p} @signal(i32 {_SIGBUS}, {p} null)
+  %oa = getelementptr [{_SIGACTION_BYTES} x i8], {"ptr" if opaque else f"[{_SIGACTION_BYTES} x i8]*"} @oldaction, i64 0, i64 0
+  %d = call i32 @sigaction(i32 {_SIGBUS}, {p} %oa, {p} null)
+  %sent = icmp sle i32 %code, 0
+  br i1 %sent, label %again, label %out
+again:
+  %r2 = call i32 @raise(i32 {_SIGBUS})
+  ret void
+out:
   ret void
 }}
 """
@@ -134,10 +145,9 @@ def _install():
         ll.initialize_native_target()
         ll.initialize_native_asmprinter()
         libc = ctypes.CDLL(None, use_errno=True)
-        for name in ("mmap", "signal"):
+        for name in ("mmap", "sigaction", "raise"):
             ll.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
-        module = ll.parse_assembly(_ir(mmap.PAGESIZE, ll.llvm_version_info[0] >= 15))
-        module.verify()
+        module = _parse(ll)
         machine = ll.Target.from_default_triple().create_target_machine()
         engine = ll.create_mcjit_compiler(module, machine)
         engine.finalize_object()
@@ -146,12 +156,27 @@ def _install():
         action = _SigAction()
         action.handler = engine.get_function_address("pulsediff_on_sigbus")
         action.flags = _SA_SIGINFO
-        if libc.sigaction(_SIGBUS, ctypes.byref(action), None) != 0:
+        # The action this replaces goes straight into the handler's @oldaction: a SIGBUS that is
+        # not ours gets it back (the default, or faulthandler's) and meets it again.
+        if libc.sigaction(_SIGBUS, ctypes.byref(action), ctypes.c_void_p(engine.get_global_value_address(
+                "oldaction"))) != 0:
             return _state
     except Exception:  # no llvmlite, or one that cannot compile: unprotected, as before
         return _state
     _state = (engine, ranges, faulted)  # the engine owns the handler's code: kept for the process's life
     return _state
+
+
+def _parse(ll):
+    """The handler's module in the pointer style this LLVM reads: opaque `ptr` (LLVM 17 knows no
+    other), else typed pointers (LLVM 15 and 16 take `ptr` only in a mode llvmlite may not set)."""
+    first = ll.llvm_version_info[0] >= 17
+    try:
+        module = ll.parse_assembly(_ir(mmap.PAGESIZE, first))
+    except RuntimeError:
+        module = ll.parse_assembly(_ir(mmap.PAGESIZE, not first))
+    module.verify()
+    return module
 
 
 def watch(address: int, length: int, path: str, size: int) -> int | None:
@@ -164,6 +189,13 @@ def watch(address: int, length: int, path: str, size: int) -> int | None:
         if not state:
             return None
         _, ranges, faulted = state
+        # A slot over any of these addresses is stale: the kernel maps nothing over a live mapping,
+        # so that one is gone (its map closed late, by the garbage collector). Left, the handler
+        # could take it first and map zeros to its old end, over whatever lies there now.
+        for stale in [s for s in _paths if ranges[2 * s] < address + length and address < ranges[2 * s + 1]]:
+            ranges[2 * stale + 1] = 0
+            ranges[2 * stale] = 0
+            del _paths[stale]
         slot = next((s for s in range(SLOTS) if s not in _paths), None)
         if slot is None:
             return None  # more mapped files than slots: the rest unguarded

@@ -210,3 +210,76 @@ def test_sigbus_outside_the_guarded_maps_still_kills(tmp_path):
     proc = subprocess.run([sys.executable, "-c", GUARD, str(tmp_path / "f"), "unguarded"], capture_output=True,
                           timeout=120)
     assert proc.returncode == -signal.SIGBUS, proc.stderr.decode()
+
+
+GUARDED_PLATFORM = sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "aarch64")
+
+
+@pytest.mark.skipif(not GUARDED_PLATFORM, reason="the guard is installed on Linux x86-64 and AArch64 only")
+def test_the_guard_is_installed_here():
+    """A guard that silently failed to compile (an llvmlite whose LLVM reads the other pointer
+    style) would leave every other test here passing by luck or not at all: say so plainly."""
+    code = "from pulsediff import mapped; print(bool(mapped._install()))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "True", proc.stderr
+
+
+@pytest.mark.skipif(not GUARDED_PLATFORM, reason="the guard is installed on Linux x86-64 and AArch64 only")
+@pytest.mark.parametrize("pointers", ["opaque", "typed"])
+def test_the_handler_compiles_in_either_pointer_style_this_llvm_reads(pointers):
+    """_parse falls back to the other style: whichever this llvmlite's LLVM reads must verify."""
+    import llvmlite.binding as ll
+
+    from pulsediff import mapped
+
+    ll.initialize_native_target()
+    ir = mapped._ir(4096, pointers == "opaque")
+    try:
+        ll.parse_assembly(ir).verify()
+    except RuntimeError:
+        if pointers == "opaque" and ll.llvm_version_info[0] >= 17:
+            raise  # LLVM 17 and later read nothing else
+        pytest.skip(f"LLVM {ll.llvm_version_info[0]} does not read {pointers} pointers")
+
+
+SIGNALLED = """
+import faulthandler, os, signal, sys
+from pulsediff import mapped
+if sys.argv[1] == "faulthandler":
+    faulthandler.enable()
+assert mapped._install()
+mapped.watch(0, 1, "elsewhere", 1)
+os.kill(os.getpid(), signal.SIGBUS)  # si_code SI_USER: not a fault of a guarded map
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.skipif(not GUARDED_PLATFORM, reason="the guard is installed on Linux x86-64 and AArch64 only")
+@pytest.mark.parametrize("before", ["default", "faulthandler"])
+def test_a_sigbus_sent_by_kill_still_ends_the_process_and_keeps_the_handler_before(before):
+    """The handler gives a SIGBUS that is not its own back to the action that was there before:
+    the default (death by the signal) or faulthandler's (its traceback, then death)."""
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED, before], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr)
+    assert b"still running" not in proc.stdout
+    if before == "faulthandler":
+        assert b"Fatal Python error: Bus error" in proc.stderr, proc.stderr.decode()
+
+
+def test_a_new_map_over_a_stale_slot_takes_its_place():
+    """A map closed late (by the garbage collector) leaves its slot until then; a new map at an
+    overlapping address means the old one is gone, so its slot is cleared, not matched first."""
+    from pulsediff import mapped
+
+    if not mapped._install():
+        pytest.skip("no guard on this platform")
+    stale = mapped.watch(1 << 40, 1 << 20, "old", 1 << 20)
+    fresh = mapped.watch((1 << 40) + 4096, 4096, "new", 4096)
+    try:
+        _, ranges, _ = mapped._state
+        covering = [s for s in mapped._paths if ranges[2 * s] <= 1 << 40 < ranges[2 * s + 1]]
+        assert covering == []  # the stale range [2**40, 2**40 + 1 MiB) is gone
+        assert mapped._paths[fresh] == ("new", 4096)
+        assert (ranges[2 * fresh], ranges[2 * fresh + 1]) == ((1 << 40) + 4096, (1 << 40) + 8192)
+    finally:
+        mapped.unwatch(fresh)
