@@ -138,7 +138,7 @@ class UntrustedManifestError(PulsediffError, ValueError):
 
 
 class RollbackError(UntrustedManifestError):
-    """A validly signed manifest older than one already accepted from the same source and key."""
+    """A validly signed manifest older than one already accepted from the same source (under any key)."""
 
 
 # --- applying --------------------------------------------------------------

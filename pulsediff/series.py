@@ -535,8 +535,8 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
     `out` (other than `checkpoint`) is refused unless `force`.
 
     `trust`: public keys (`ed25519:...` lines, files of them, or a signing.Trust). Then the manifest must
-    be signed by one of them and not older than the newest accepted before from this source under that
-    key (the record in `trust_state`, default signing.default_state_file()), and every file must have the
+    be signed by one of them and not older than the newest accepted before from this source under any
+    trusted key (the record in `trust_state`, default signing.default_state_file()), and every file must have the
     SHA-256 the manifest names; otherwise UntrustedManifestError, and nothing is written."""
     from .signing import as_trust
 

@@ -11,9 +11,10 @@ docs/FORMAT.md §8.1 is the specification; in short:
   reader may see the two at different moments (rsync, S3), so a signature
   that does not verify is read again READ_TRIES times before the manifest is
   refused; an unsigned manifest is never accepted where a key is trusted.
-- A worker records, per source and key, the highest `serial` it accepted
-  (a state file, `default_state_file()`); a signed manifest with a lower
-  serial, or the same serial and other bytes, is refused (replay, rollback).
+- A worker records, per source (whatever key signed), the highest `serial`
+  it accepted (a state file, `default_state_file()`); a signed manifest with
+  a lower serial, or the same serial and other bytes, is refused (replay,
+  rollback), also across a key rotation: serials continue under a new key.
 
 The crypto is the `cryptography` package's (OpenSSL), imported only when a
 key is used, so that `pulsediff --help` and unsigned series never load it.
@@ -239,15 +240,19 @@ def default_state_file() -> Path:
 
 def check_rollback(state_file: Path | None, source: str, key: str, serial: int, step: int | None, data: bytes,
                    where: str, *, record: bool = True) -> None:
-    """Refuse a manifest older than the newest one accepted from `source` under `key`; record this one.
+    """Refuse a manifest older than the newest one accepted from `source`, under any key; record this one.
 
-    The state file maps "KEY SOURCE" to the serial, newest step and SHA-256 of
-    the manifest last accepted. It is locked while read and rewritten (workers
-    on one machine share it) and replaced atomically. A damaged state file is
-    an error, never a fresh start: forgetting it would re-open the replay."""
+    The state file maps the source to the serial, newest step, SHA-256 and
+    signing key of the manifest last accepted. The record is per source, not
+    per key: serials continue across a key rotation (publish --sign with the
+    old key trusted), so the old key's last manifest, still trusted during
+    the rotation, is older than one accepted under the new key and refused.
+    Entries of the first record format ("KEY SOURCE") count for their source.
+    It is locked while read and rewritten (workers on one machine share it)
+    and replaced atomically. A damaged state file is an error, never a fresh
+    start: forgetting it would re-open the replay."""
     state_file = Path(state_file) if state_file is not None else default_state_file()
     digest = hashlib.sha256(data).hexdigest()
-    entry_key = f"{key} {source}"
     try:
         state_file.parent.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(f"{state_file}.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -256,20 +261,27 @@ def check_rollback(state_file: Path | None, source: str, key: str, serial: int, 
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         state = _load_state(state_file)
-        seen = state["series"].get(entry_key)
+        legacy = [name for name in state["series"] if name.startswith(KEY_PREFIX) and name.split(" ", 1)[-1] == source]
+        candidates = [state["series"][name] for name in legacy]
+        if source in state["series"]:
+            candidates.append(state["series"][source])
+        seen = max(candidates, key=lambda s: s["serial"], default=None)
         if seen is not None:
+            by = f" (signed by {seen['key']})" if seen.get("key") and seen["key"] != key else ""
             if serial < seen["serial"]:
                 raise RollbackError(where, f"its serial {serial} is older than serial {seen['serial']} (step "
-                                           f"{seen['step']}) already accepted from this source under {key} "
+                                           f"{seen['step']}) already accepted from this source{by} "
                                            f"(replayed or rolled back; record: {state_file})")
             if serial == seen["serial"] and digest != seen["sha256"]:
                 raise RollbackError(where, f"its serial {serial} was already accepted from this source with other "
-                                           f"bytes (two publishers with one key? record: {state_file})")
-            if serial == seen["serial"]:
+                                           f"bytes{by} (two publishers? record: {state_file})")
+            if serial == seen["serial"] and not legacy:
                 return
         if not record:
             return
-        state["series"][entry_key] = {"serial": serial, "step": step, "sha256": digest}
+        for name in legacy:
+            del state["series"][name]
+        state["series"][source] = {"serial": serial, "step": step, "sha256": digest, "key": key}
         _save_state(state_file, state)
     finally:
         os.close(lock_fd)
@@ -334,7 +346,7 @@ def as_trust(trust, state: "Path | str | None" = None) -> Trust | None:
 
 def read_signed_manifest(store, trust: Trust, *, record: bool = True):
     """The store's manifest, accepted only when signed by a trusted key, naming every file's SHA-256, and
-    not older than one accepted before from this store under that key; None when there is none.
+    not older than one accepted before from this store (under any key); None when there is none.
 
     Nothing unauthenticated reaches the manifest parser: the bytes are verified first."""
     from .manifest import MANIFEST, parse_manifest

@@ -362,7 +362,7 @@ def test_signed_round_trip(train, signed, http, via, start, tmp_path, monkeypatc
     assert json.loads(proc.stdout)["step"] == STEPS
     assert worker.read_bytes() == ckpt(train, STEPS).read_bytes()
     record = json.loads((tmp_path / "state" / "pulsediff" / "trusted-series.json").read_text())
-    assert list(record["series"]) == [f"{public} {source}"]
+    assert list(record["series"]) == [source] and record["series"][source]["key"] == public  # per source
 
 
 @pytest.mark.parametrize("via", ["s3", "http"])

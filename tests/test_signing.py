@@ -405,3 +405,38 @@ def test_catch_up_state_dict_refuses_a_replayed_manifest(train, keys, tmp_path):
     tensors = {k: v.clone() for k, v in load_file(ckpt(train, 0)).items()}
     with pytest.raises(RollbackError):
         catch_up_state_dict(tensors, pub, trust=keys["ours"][1], trust_state=state)
+
+
+def test_a_replay_of_the_old_keys_manifest_after_a_rotation_is_refused(train, keys, tmp_path):
+    """The rollback record is per source, not per (source, key): serials continue across a rotation,
+    so the old key's last manifest (genuine, still trusted during the rotation) is older than what the
+    worker accepted under the new key."""
+    old, new = keys["ours"], keys["theirs"]
+    pub = signed_series(train, tmp_path / "pub", old[0], upto=2)
+    replay = {name: (pub / name).read_bytes() for name in (MANIFEST, SIGNATURE_NAME)}  # K1's last, step 2
+    part = tmp_path / "pub-train"
+    for step in range(3, STEPS + 1):
+        shutil.copy(ckpt(train, step), ckpt(part, step))
+    publish_once(part, pub, anchor_every=2, settle=0, sign=new[0], trust=old[1])
+    worker = tmp_path / "worker.safetensors"
+    assert catch_up(worker, pub, trust=[old[1], new[1]]).step == STEPS  # accepted under K2
+    before = worker.read_bytes()
+    for name, data in replay.items():
+        (pub / name).write_bytes(data)
+    err = refused(cli("catch-up", worker, pub, "--trust", old[1], "--trust", new[1]), "older than serial", "replayed")
+    assert f"(step {STEPS})" in err
+    untouched(worker, before)
+    with pytest.raises(RollbackError):
+        catch_up(worker, pub, trust=[old[1], new[1]])
+    untouched(worker, before)
+
+
+def test_a_record_of_the_first_format_still_counts_for_its_source(tmp_path):
+    """Entries written as "KEY SOURCE" (before the record was per source) still refuse older serials."""
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"version": 1, "series": {
+        "ed25519:" + "A" * 43 + "= /src": {"serial": 5, "step": 4, "sha256": "0" * 64}}}))
+    with pytest.raises(RollbackError, match="older than serial 5"):
+        signing.check_rollback(record, "/src", "ed25519:" + "B" * 43 + "=", 3, 2, b"x", "m")
+    signing.check_rollback(record, "/src", "ed25519:" + "B" * 43 + "=", 6, 5, b"y", "m")
+    assert list(json.loads(record.read_text())["series"]) == ["/src"]

@@ -13,7 +13,7 @@ from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
 from .output import Output, plural
 
 TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust: the record of "
-                       "the newest manifest accepted per source and key, which an older one may not undercut. "
+                       "the newest manifest accepted per source (under any key), which an older one may not undercut. "
                        "Default: $XDG_STATE_HOME/pulsediff/trusted-series.json (~/.local/state/...).")]
 
 
