@@ -220,7 +220,7 @@ class Checkpoint:
         shard = ShardFile(name, path, header, mapping)
         if mapping is not None:
             view = np.frombuffer(mapping, np.uint8)  # for its address; no copy
-            shard._guard = mapped.watch(view.ctypes.data, size, str(path), size)
+            shard._guard = mapped.watch(view.ctypes.data, size, str(path), size, (st.st_dev, st.st_ino, st.st_mtime_ns))
             del view  # an exported buffer would keep the map from closing
         self.shards.append(shard)
         for entry in header.tensors:

@@ -129,7 +129,7 @@ class _SigAction(ctypes.Structure):
 
 _lock = threading.Lock()
 _state = None  # (engine, ranges, faulted) once installed; False where it cannot be
-_paths: dict[int, tuple[str, int]] = {}  # slot -> (path, size when mapped)
+_paths: dict[int, tuple] = {}  # slot -> (path, size when mapped, (device, inode, mtime) when mapped or None)
 
 
 def _install():
@@ -179,9 +179,11 @@ def _parse(ll):
     return module
 
 
-def watch(address: int, length: int, path: str, size: int) -> int | None:
-    """Guard [address, address + length), the mapping of file `path` (`size` bytes when mapped).
-    Returns the slot to give `unwatch` and `changed`, or None where nothing can guard it."""
+def watch(address: int, length: int, path: str, size: int, identity: tuple | None = None) -> int | None:
+    """Guard [address, address + length), the mapping of file `path` (`size` bytes when mapped;
+    `identity`, its (st_dev, st_ino, st_mtime_ns) then, lets `changed` also see a file written
+    over in place without shrinking). Returns the slot to give `unwatch` and `changed`, or None
+    where nothing can guard it."""
     if length <= 0:
         return None
     with _lock:
@@ -203,7 +205,7 @@ def watch(address: int, length: int, path: str, size: int) -> int | None:
         ranges[2 * slot] = 0  # empty while its end is written: the handler may read at any moment
         ranges[2 * slot + 1] = address + length
         ranges[2 * slot] = address
-        _paths[slot] = (path, size)
+        _paths[slot] = (path, size, identity)
         return slot
 
 
@@ -221,9 +223,11 @@ def unwatch(slot: int | None) -> None:
 def changed(slot: int | None) -> "CheckpointChangedError | CheckpointReadError | None":
     """The error to raise if part of the file in `slot` could not be read through its mapping (it
     shrank, or a page failed to read), else None."""
-    if slot is None or not _state or not _state[2][slot]:
+    if slot is None or not _state:
         return None
-    path, size = _paths.get(slot, ("<unknown file>", 0))
+    path, size, identity = _paths.get(slot, ("<unknown file>", 0, None))
+    if not _state[2][slot]:
+        return _written_over(path, size, identity)
     try:
         now = os.stat(path).st_size
     except OSError as exc:
@@ -232,6 +236,22 @@ def changed(slot: int | None) -> "CheckpointChangedError | CheckpointReadError |
         return CheckpointChangedError(path, f"it is now {now:,} bytes, of the {size:,} it had when opened")
     return CheckpointReadError(path, "part of it could not be read through its mapping (an I/O error, or "
                                      "the file was cut short and written again meanwhile)")
+
+
+def _written_over(path: str, size: int, identity: tuple | None) -> "CheckpointChangedError | None":
+    """The same file (device and inode) with another size or modification time than when it was
+    mapped: written in place while it was read, so what was read may mix old and new bytes. A file
+    replaced by a rename is another inode: the mapping still reads the old one, whole."""
+    if identity is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # gone (renamed away, deleted): the mapping still holds the old file whole
+    if (st.st_dev, st.st_ino) != identity[:2] or (st.st_size, st.st_mtime_ns) == (size, identity[2]):
+        return None
+    return CheckpointChangedError(path, "it was written to in place (its size or modification time "
+                                        "changed)")
 
 
 def check() -> None:
