@@ -128,6 +128,19 @@ class _SigAction(ctypes.Structure):
 
 
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread held the lock (compiling the handler takes milliseconds under
+    # it) would leave it held in the child for good. The handler and its ranges are inherited as
+    # they are: the child's maps are the parent's.
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 _state = None  # (engine, ranges, faulted) once installed; False where it cannot be
 _paths: dict[int, tuple] = {}  # slot -> (path, size when mapped, (device, inode, mtime) when mapped or None)
 

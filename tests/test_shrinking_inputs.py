@@ -308,3 +308,30 @@ def test_a_new_map_over_a_stale_slot_takes_its_place():
         assert (ranges[2 * fresh], ranges[2 * fresh + 1]) == ((1 << 40) + 4096, (1 << 40) + 8192)
     finally:
         mapped.unwatch(fresh)
+
+
+FORK_WHILE_HELD = """
+import os, threading
+from pulsediff import mapped
+mapped._install()
+held, release = threading.Event(), threading.Event()
+def hold():
+    with mapped._lock:
+        held.set()
+        release.wait()
+t = threading.Thread(target=hold)
+t.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if mapped.watch(1 << 41, 4096, "x", 4096) is not None else 3)
+release.set()
+t.join()
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not GUARDED_PLATFORM, reason="the guard is installed on Linux x86-64 and AArch64 only")
+def test_a_fork_while_another_thread_holds_the_guards_lock_leaves_the_child_working():
+    proc = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "0", (proc.stdout, proc.stderr)
