@@ -155,6 +155,8 @@ def apply_chain(
     base_ids: dict[str, TensorId] | None = None,
     dry_run: bool = False,
     force: bool = False,
+    expect_target: str | None = None,
+    expect_where: str = "the signed manifest",
 ) -> ApplyResult:
     """Apply patches P1..Pn to `base` in one pass, tensor by tensor, with no intermediate checkpoints.
 
@@ -167,6 +169,10 @@ def apply_chain(
     the checks that precede writing (headers, links, base digest, output
     kind) and write nothing; it needs no output (then `output` is None). An
     existing `out` is refused unless `force`, as in `apply_patch`.
+    `expect_target` (a signed series: the target digest its entry names):
+    the chain's last patch must rebuild exactly that (the rebuilt tensors are
+    checked against that patch's target digest), else UntrustedManifestError
+    naming `expect_where`, before anything is written.
     """
     if not patches:
         raise UsageError("give at least one patch")
@@ -182,6 +188,13 @@ def apply_chain(
     with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]
         final = final_link.header
+        if expect_target is not None and final.target_digest != expect_target:
+            from .errors import UntrustedManifestError
+
+            raise UntrustedManifestError(expect_where, f"the chain ending in {final_link.reader.source} rebuilds "
+                                                       f"{final.target_digest}, not {expect_target}, the target its "
+                                                       f"signed entry names (a file changed between its check and "
+                                                       f"its use?); nothing was written")
         with open_checkpoint(base) as base_ckpt:
             view = TensorView(base_ckpt, final.precision)
             if base_ids is None:

@@ -147,7 +147,8 @@ CHECKS = ("auto", "digests", "sums")
 
 
 def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
-                        device: str | None = None, check: str = "auto") -> LiveApplyResult:
+                        device: str | None = None, check: str = "auto", expect_target: str | None = None,
+                        expect_where: str = "the signed manifest") -> LiveApplyResult:
     """Apply one patch, or a chain of patches in order, to live tensors in place.
 
     `tensors` maps names to torch tensors (CPU or CUDA), e.g. `model.state_dict()`
@@ -160,6 +161,9 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     "digests", "sums", or "auto" (sums when a tensor is on a GPU and the
     patch carries them). `device` chooses the kernels of the digests path
     (the sums path runs each tensor's kernels where the tensor is).
+    `expect_target` (a signed series: its entry's target digest): the last
+    patch must have that target, else UntrustedManifestError naming
+    `expect_where`, and the tensors are as they were.
     """
     if not isinstance(patches, list):
         patches = [patches]
@@ -174,8 +178,9 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     status = "up-to-date"
     target = ""
     try:
-        for patch in patches:
-            step = _apply_one(tensors, patch, device, check, undo, known)
+        for k, patch in enumerate(patches):
+            expect = (expect_target, expect_where) if expect_target is not None and k == len(patches) - 1 else None
+            step = _apply_one(tensors, patch, device, check, undo, known, expect)
             target = step.target_digest
             if step.status == "applied":
                 status = "applied"
@@ -197,7 +202,7 @@ class _Step:
     elements: int
 
 
-def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _Step:
+def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expect=None) -> _Step:
     from .apply import open_patch, read_layout, rebuild_tensor
     from .codecs.base import Scratch
     from .inspect import tensor_ids
@@ -207,6 +212,13 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known) -> _S
         patch = io.BytesIO(bytes(patch))
     reader, header, owned = open_patch(patch)
     try:
+        if expect is not None and header.target_digest != expect[0]:
+            from .errors import UntrustedManifestError
+
+            raise UntrustedManifestError(expect[1], f"the chain ending in {reader.source} rebuilds "
+                                                    f"{header.target_digest}, not {expect[0]}, the target its signed "
+                                                    f"entry names (a file changed between its check and its use?); "
+                                                    f"the tensors are as they were")
         live = StateDict(tensors)
         records = {r.name: r for r in header.tensors}
         _check_structure(live, records)
@@ -576,7 +588,7 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
     one accepted before, each file's SHA-256 the one it names)."""
     from .errors import InvalidManifestError, PulsediffError
     from .manifest import cheapest_paths
-    from .series import MAX_SEARCHES, _check_file, read_source_manifest
+    from .series import MAX_SEARCHES, PrivateCopies, _check_file, read_source_manifest
     from .signing import as_trust
     from .store import Folder
 
@@ -590,20 +602,31 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
         digest = state_dict_digest(tensors, manifest.precision)
     if digest == newest.target:
         return LiveCatchUp("up-to-date", manifest.step_of(digest), 0, 0, digest)
-    drop: set[str] = set()
-    for _ in range(MAX_SEARCHES):
-        chain = cheapest_paths(manifest.entries, digest, drop)
-        if not chain.reaches(newest.target):
-            raise PulsediffError(f"no intact chain of patches in {folder} leads from the live tensors "
-                                 f"({digest}) to step {newest.step}")
-        links = chain.path_to(newest.target)
-        bad = next((e for e in links if _check_file(folder / e.file, e, manifest.precision, str(folder),
-                                                    authenticate=trust is not None) is not None), None)
-        if bad is None:
-            break
-        drop.add(bad.file)
-    else:
-        raise InvalidManifestError(str(folder), f"no intact chain after {MAX_SEARCHES} searches")
-    result = apply_to_state_dict(tensors, [folder / e.file for e in links], device=device, check=check)
+    # With trust, every file is copied while hashed and applied from that private copy: one swapped in
+    # the folder after its check is never read (series.PrivateCopies).
+    private = PrivateCopies() if trust is not None else None
+    try:
+        drop: set[str] = set()
+        for _ in range(MAX_SEARCHES):
+            chain = cheapest_paths(manifest.entries, digest, drop)
+            if not chain.reaches(newest.target):
+                raise PulsediffError(f"no intact chain of patches in {folder} leads from the live tensors "
+                                     f"({digest}) to step {newest.step}")
+            links = chain.path_to(newest.target)
+            bad = next((e for e in links if _check_file(
+                folder / e.file, e, manifest.precision, str(folder), authenticate=trust is not None,
+                private=private.path(e.file) if private is not None else None) is not None), None)
+            if bad is None:
+                break
+            drop.add(bad.file)
+        else:
+            raise InvalidManifestError(str(folder), f"no intact chain after {MAX_SEARCHES} searches")
+        result = apply_to_state_dict(
+            tensors, [private.path(e.file) if private is not None else folder / e.file for e in links],
+            device=device, check=check, expect_target=newest.target if trust is not None else None,
+            expect_where=str(folder / "manifest.json"))
+    finally:
+        if private is not None:
+            private.close()
     return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links), result.changed_elements,
                        result.target_digest)

@@ -38,8 +38,11 @@ manifest names.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -547,23 +550,37 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
         if not _same_path(out, checkpoint):
             refuse_existing(out, force)
     source = open_store(patch_dir, cache=cache)
+    # A trusting worker reads a local folder's files through private copies (a remote source's through its
+    # own cache): a file the folder's writer swaps after its check is never the one applied.
+    private = PrivateCopies(cache) if trust is not None and not source.remote else None
     try:
-        return _catch_up(checkpoint, source, out, device, progress, trust)
+        return _catch_up(checkpoint, source, out, device, progress, trust, private)
     finally:
+        if private is not None:
+            private.close()
         if source is not patch_dir:
             source.close()
 
 
 def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | None,
-              progress: Progress, trust=None) -> CatchUpResult:
+              progress: Progress, trust=None, private: "PrivateCopies | None" = None) -> CatchUpResult:
     from .apply import apply_chain
 
     manifest, ids, have = _where_we_are(checkpoint, source, progress, trust)
     newest = manifest.newest
     out_path = out or checkpoint
+    where = _shown(source, MANIFEST)
 
     def check(path: Path, e: Entry) -> str | None:
-        return _check_file(path, e, manifest.precision, _shown(source, MANIFEST), authenticate=trust is not None)
+        if private is None:
+            return _check_file(path, e, manifest.precision, where, authenticate=trust is not None)
+        return _check_file(path, e, manifest.precision, where, authenticate=True, private=private.path(e.file))
+
+    def used(name: str) -> Path:  # the file checked: its private copy, when one was made
+        return private.path(name) if private is not None else source.path(name)
+
+    def expect(digest: str) -> str | None:  # with trust, what the chain must rebuild: the signed entry's target
+        return digest if trust is not None else None
 
     if have == newest.target:
         if out is not None and not _same_path(out, checkpoint):  # the copy goes through a checked file
@@ -572,8 +589,8 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
                 raise PulsediffError(f"{checkpoint} is at step {newest.step}, but {out} cannot be written from "
                                      f"{newest.file}: {problem}")
             # An `out` that already is the target (given with force) is left as it is.
-            apply_chain(checkpoint, [source.path(newest.file)], out, device=device, progress=progress, base_ids=ids,
-                        force=True)
+            apply_chain(checkpoint, [used(newest.file)], out, device=device, progress=progress, base_ids=ids,
+                        force=True, expect_target=expect(newest.target), expect_where=where)
             source.forget([newest.file], {e.file for e in manifest.entries})
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
     goals = _goals(manifest, have)
@@ -598,8 +615,9 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
                              f"({_describe(problems)})")
     from_anchor = chain[0].kind == "anchor"
     # force: the checkpoint itself is replaced (catch-up's job), and an existing `out` was refused before unless forced.
-    result = apply_chain(None if from_anchor else checkpoint, [source.path(e.file) for e in chain], out_path,
-                         device=device, progress=progress, base_ids=None if from_anchor else ids, force=True)
+    result = apply_chain(None if from_anchor else checkpoint, [used(e.file) for e in chain], out_path,
+                         device=device, progress=progress, base_ids=None if from_anchor else ids, force=True,
+                         expect_target=expect(goal), expect_where=where)
     source.forget([e.file for e in chain], {e.file for e in manifest.entries})
     step = manifest.step_of(result.header.target_digest)  # the digest rebuilt and verified, not a label
     status = "applied" if step == newest.step else "partial"
@@ -625,27 +643,43 @@ def _describe(problems: dict[str, str]) -> str:
     return "; ".join(f"{name}: {why}" for name, why in shown) + more
 
 
-def _check_file(path: Path, e: Entry, precision: str, manifest_where: str, authenticate: bool = False) -> str | None:
+def _check_file(path: Path, e: Entry, precision: str, manifest_where: str, authenticate: bool = False,
+                private: Path | None = None) -> str | None:
     """Why the file for entry `e`, at `path`, cannot be used (missing, half-fetched, damaged), or None.
 
     A file that is intact but whose header contradicts its entry raises:
     then the manifest is not telling the truth about the series. `authenticate`
     (a signed manifest): the file's SHA-256 must be its entry's, checked before
     the patch reader sees a byte of it; another file is not the publisher's,
-    and is skipped like a damaged one.
+    and is skipped like a damaged one. `private` (with `authenticate`): the
+    file is copied there through the descriptor it is hashed from, and the
+    copy is what is checked, and what the caller must apply (removed here
+    when it cannot be used).
     """
-    from .apply import verify_patch_file
-
     problem = size_problem(path, e)
     if problem is not None:
         return problem
     if authenticate:
         try:
-            sha256 = file_sha256(path)
+            sha256 = file_sha256(path) if private is None else _copy_hashing(path, private, e.bytes)
         except OSError as exc:
+            _discard(private)
             return f"unreadable ({exc.strerror or exc})"
         if sha256 != e.sha256:
+            _discard(private)
             return "not the file the signed manifest names (its SHA-256 differs)"
+        if private is not None:
+            path = private
+            problem = _checked_header(path, e, precision, manifest_where)
+            if problem is not None:
+                _discard(private)
+            return problem
+    return _checked_header(path, e, precision, manifest_where)
+
+
+def _checked_header(path: Path, e: Entry, precision: str, manifest_where: str) -> str | None:
+    from .apply import verify_patch_file
+
     try:
         header = verify_patch_file(path)
     except PulsediffError as exc:
@@ -658,3 +692,50 @@ def _check_file(path: Path, e: Entry, precision: str, manifest_where: str, authe
                                    f"the entry for {e.file} (step {e.step}) does not match the file's own header "
                                    f"({', '.join(what)} differ); nothing was applied")
     return None
+
+
+# -- private copies: what a trusting worker checks is what it applies --------------------------------------
+
+PRIVATE_PREFIX = "pulsediff-trusted-"
+
+
+class PrivateCopies:
+    """A private temporary folder (mode 0700, in `parent` or the system's temporary folder) holding a copy
+    of each file of a local series a trusting worker uses, made while the file is hashed (_check_file):
+    whoever can write the series folder cannot change a file between its check and its use. Removed by
+    `close`."""
+
+    def __init__(self, parent: Path | None = None):
+        self.parent = Path(parent) if parent is not None else None
+        self.folder: Path | None = None
+
+    def path(self, name: str) -> Path:
+        if self.folder is None:
+            if self.parent is not None:
+                self.parent.mkdir(parents=True, exist_ok=True)
+            self.folder = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=self.parent))
+        return self.folder / name
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+
+def _copy_hashing(src: Path, dst: Path, size: int) -> str:
+    """Copy `src` to `dst` (at most size + 1 bytes: a longer file is not the signed one) through one open
+    descriptor; the SHA-256 of what was copied."""
+    h = hashlib.sha256()
+    dst.unlink(missing_ok=True)
+    with open(src, "rb") as f, open(dst, "xb") as out:
+        left = size + 1
+        while left > 0 and (chunk := f.read(min(1 << 20, left))):
+            h.update(chunk)
+            out.write(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def _discard(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)

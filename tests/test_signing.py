@@ -440,3 +440,81 @@ def test_a_record_of_the_first_format_still_counts_for_its_source(tmp_path):
         signing.check_rollback(record, "/src", "ed25519:" + "B" * 43 + "=", 3, 2, b"x", "m")
     signing.check_rollback(record, "/src", "ed25519:" + "B" * 43 + "=", 6, 5, b"y", "m")
     assert list(json.loads(record.read_text())["series"]) == ["/src"]
+
+
+# -- a file swapped between its check and its use ------------------------------------------------------
+
+
+def swapper(monkeypatch, pub: Path, name: str, evil: bytes, which: str):
+    """_check_file as it is, then `name` replaced by `evil` right after it passed: in the series folder
+    (`which` == "folder"), or wherever catch-up will read it from (its private copy, when it makes one)."""
+    from pulsediff import series
+
+    real = series._check_file
+    swapped = []
+
+    def check(path, e, *args, **kwargs):
+        problem = real(path, e, *args, **kwargs)
+        if problem is None and e.file == name:
+            target = kwargs.get("private") if which == "used" and kwargs.get("private") else path
+            os.chmod(target, 0o600)
+            Path(target).write_bytes(evil)
+            swapped.append(target)
+        return problem
+
+    monkeypatch.setattr(series, "_check_file", check)
+    return swapped
+
+
+@pytest.mark.parametrize("which", ["folder", "used"])
+@pytest.mark.parametrize("start", [None, 3])
+def test_a_file_swapped_after_its_check_is_never_applied(train, keys, tmp_path, monkeypatch, start, which):
+    from pulsediff.make import make_patch
+
+    pub = signed_series(train, tmp_path / "pub", keys["ours"][0])
+    fake = tmp_path / "fake-train"
+    fake.mkdir()
+    save_series(fake, STEPS, seed=99, shape=(64, 32), tensors=3, density=0.05)
+    name = f"anchor-{STEPS:08d}.pulsediff" if start is None else f"patch-{start:08d}-{STEPS:08d}.pulsediff"
+    make_patch(None if start is None else ckpt(train, start), ckpt(fake, STEPS), tmp_path / "evil")
+    evil = (tmp_path / "evil").read_bytes()
+    (tmp_path / "evil").unlink()
+    worker, before = worker_at(train, tmp_path, start)
+    swapped = swapper(monkeypatch, pub, name, evil, which)
+    cache = tmp_path / "cache"  # where the private copies go
+    if which == "folder":  # the file in the folder changed after it was read: what was read is what is applied
+        result = catch_up(worker, pub, trust=keys["ours"][1], cache=cache)
+        assert swapped and result.status == "applied" and result.step == STEPS
+        assert worker.read_bytes() == ckpt(train, STEPS).read_bytes()
+    else:  # the file applied is not the one checked: the rebuilt digest is not the signed target
+        with pytest.raises(UntrustedManifestError, match="signed entry names"):
+            catch_up(worker, pub, trust=keys["ours"][1], cache=cache)
+        assert swapped
+        untouched(worker, before)
+    assert not any(p.name.startswith("pulsediff-trusted") for p in tmp_path.rglob("*"))  # private copies removed
+    assert any(str(p).startswith(str(cache)) for p in swapped) == (which == "used")
+
+
+@pytest.mark.parametrize("which", ["folder", "used"])
+def test_catch_up_state_dict_never_applies_a_file_swapped_after_its_check(train, keys, tmp_path, monkeypatch, which):
+    from safetensors.torch import load_file
+
+    from pulsediff.make import make_patch
+
+    pub = signed_series(train, tmp_path / "pub", keys["ours"][0])
+    fake = tmp_path / "fake-train"
+    fake.mkdir()
+    save_series(fake, STEPS, seed=99, shape=(64, 32), tensors=3, density=0.05)
+    name = f"patch-{3:08d}-{STEPS:08d}.pulsediff"
+    make_patch(ckpt(train, 3), ckpt(fake, STEPS), tmp_path / "evil")
+    swapper(monkeypatch, pub, name, (tmp_path / "evil").read_bytes(), which)
+    tensors = {k: v.clone() for k, v in load_file(ckpt(train, 3)).items()}
+    before = {k: bits(v) for k, v in tensors.items()}
+    if which == "folder":
+        assert catch_up_state_dict(tensors, pub, trust=keys["ours"][1]).step == STEPS
+        target = load_file(ckpt(train, STEPS))
+        assert all(bits(tensors[k]) == bits(target[k]) for k in target)
+    else:
+        with pytest.raises(UntrustedManifestError, match="signed entry names"):
+            catch_up_state_dict(tensors, pub, trust=keys["ours"][1])
+        assert all(bits(tensors[k]) == before[k] for k in before)
