@@ -243,13 +243,26 @@ def _read_dest_manifest(dest: Store, signing: "_Signing | None") -> Manifest | N
             raise UsageError(f"{dest.location} is a signed series; publish to it with --sign KEYFILE (an unsigned "
                              f"manifest would be refused by every worker that trusts its key)")
         return dest.read_manifest()
-    from .signing import read_signed_manifest
+    from .signing import read_signed_manifest, recorded, sign_manifest
 
     try:
         return read_signed_manifest(dest, signing.trust)
     except UntrustedManifestError as exc:
+        # A publish interrupted between manifest.json.sig and manifest.json leaves the new signature over
+        # the old manifest. When the manifest's bytes are exactly those this publisher's record last
+        # accepted (read verified, or written and signed) under a key it trusts now, they are re-signed
+        # and the series goes on;
+        # any other bytes are refused, since signing them would vouch for what someone else put there.
+        data = dest.read_manifest_bytes()
+        if data is not None and dest.read_signature() is not None and recorded(signing.trust.state, dest.identity,
+                                                                               data, signing.trust.keys):
+            dest.save_signature(sign_manifest(signing.key, data))
+            return read_signed_manifest(dest, signing.trust)
+        recovery = (f"; after a publish interrupted between {dest.shown('manifest.json.sig')} and the manifest, run "
+                    f"publish --sign again with the rollback record of the publisher that wrote it (its "
+                    f"--trust-state), which re-signs the manifest it recorded") if "does not match" in str(exc) else ""
         exc.args = (f"{exc}; publish --sign continues only a series its key signed (give the previous key's "
-                    f"public key with --trust while rotating), or publish into a new DEST",)
+                    f"public key with --trust while rotating), or publish into a new DEST{recovery}",)
         raise
 
 

@@ -287,6 +287,25 @@ def check_rollback(state_file: Path | None, source: str, key: str, serial: int, 
         os.close(lock_fd)
 
 
+def recorded(state_file: Path | None, source: str, data: bytes, keys: tuple[str, ...]) -> bool:
+    """Whether `data` are the exact bytes of the manifest last accepted from `source` in the record, under
+    one of `keys` (a publisher's record holds the manifest it last read or wrote, verified and signed)."""
+    state_file = Path(state_file) if state_file is not None else default_state_file()
+    if not state_file.exists():
+        return False
+    digest = hashlib.sha256(data).hexdigest()
+    seen = []
+    for name, entry in _load_state(state_file)["series"].items():
+        if name == source:
+            seen.append((entry, entry.get("key")))
+        elif name.startswith(KEY_PREFIX) and name.split(" ", 1)[-1] == source:
+            seen.append((entry, name.split(" ", 1)[0]))
+    if not seen:
+        return False
+    newest, key = max(seen, key=lambda s: s[0]["serial"])
+    return newest["sha256"] == digest and key in keys
+
+
 def _load_state(path: Path) -> dict:
     def damaged(why: str) -> UntrustedManifestError:
         return UntrustedManifestError(str(path), f"the rollback record is damaged ({why}); delete it to start "

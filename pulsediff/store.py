@@ -146,6 +146,10 @@ class Store:
         """Replace the manifest with `manifest.to_bytes()`; `signature` (its detached signature) goes first."""
         raise NotImplementedError
 
+    def save_signature(self, signature: bytes) -> None:
+        """Replace only the manifest's detached signature (a publisher re-signing the manifest it finds)."""
+        raise NotImplementedError
+
     def delete(self, names: list[str]) -> None:
         raise NotImplementedError
 
@@ -200,11 +204,17 @@ class Folder(Store):
         from .signing import SIGNATURE_NAME
 
         if signature is not None:  # first: a reader between the two renames sees a pair that does not match yet
-            with StagedFiles() as staged:
-                with staged.open(self.folder / SIGNATURE_NAME) as f:
-                    f.write(signature)
-                staged.commit()
+            self.save_signature(signature)
         manifest.save(self.folder)
+
+    def save_signature(self, signature: bytes) -> None:
+        from .atomic import StagedFiles
+        from .signing import SIGNATURE_NAME
+
+        with StagedFiles() as staged:
+            with staged.open(self.folder / SIGNATURE_NAME) as f:
+                f.write(signature)
+            staged.commit()
 
     def delete(self, names: list[str]) -> None:
         for name in names:
@@ -498,6 +508,17 @@ class ObjectStoreSource(Store):
         except Exception as exc:
             raise self._failure(f"cannot write {where}", exc) from None
         self._manifest = (put.get("e_tag") or "", data)
+
+    def save_signature(self, signature: bytes) -> None:
+        import obstore as obs
+
+        from .signing import SIGNATURE_NAME
+
+        self.writable()
+        try:
+            obs.put(self.store, SIGNATURE_NAME, signature)
+        except Exception as exc:
+            raise self._failure(f"cannot write {self.where(SIGNATURE_NAME)}", exc) from None
 
     def delete(self, names: list[str]) -> None:
         import obstore as obs

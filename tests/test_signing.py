@@ -518,3 +518,62 @@ def test_catch_up_state_dict_never_applies_a_file_swapped_after_its_check(train,
         with pytest.raises(UntrustedManifestError, match="signed entry names"):
             catch_up_state_dict(tensors, pub, trust=keys["ours"][1])
         assert all(bits(tensors[k]) == before[k] for k in before)
+
+
+# -- a publisher interrupted between the signature and the manifest ------------------------------------
+
+
+def interrupted_publish(train: Path, pub: Path, key: Path, monkeypatch, upto: int) -> None:
+    """publish --sign of steps up to `upto`, failing after manifest.json.sig is written, before manifest.json."""
+    def fail(self, folder):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(Manifest, "save", fail)
+        with pytest.raises(OSError):
+            signed_series(train, pub, key, upto=upto)
+
+
+def test_publish_recovers_from_a_failure_between_the_signature_and_the_manifest(train, keys, tmp_path, monkeypatch):
+    monkeypatch.setattr(signing, "RETRY_DELAY", 0.01)
+    pub = signed_series(train, tmp_path / "pub", keys["ours"][0], upto=2)
+    manifest = (pub / MANIFEST).read_bytes()
+    interrupted_publish(train, pub, keys["ours"][0], monkeypatch, upto=3)
+    assert (pub / MANIFEST).read_bytes() == manifest  # the old manifest under the new signature
+    with pytest.raises(UntrustedManifestError, match="does not match"):  # workers refuse the pair meanwhile
+        catch_up(tmp_path / "w0.safetensors", pub, trust=keys["ours"][1], trust_state=tmp_path / "w0.json")
+    # The publisher's own record holds the manifest's bytes: it re-signs them and goes on.
+    signed_series(train, pub, keys["ours"][0], upto=STEPS)
+    worker = tmp_path / "w.safetensors"
+    assert catch_up(worker, pub, trust=keys["ours"][1], trust_state=tmp_path / "w.json").step == STEPS
+    assert worker.read_bytes() == ckpt(train, STEPS).read_bytes()
+
+
+def test_publish_without_the_record_still_refuses_a_pair_that_does_not_match(train, keys, tmp_path, monkeypatch):
+    """Only bytes this publisher recorded are re-signed: a manifest edited meanwhile, or a publisher with
+    another record, is refused with one line naming the recovery."""
+    monkeypatch.setattr(signing, "RETRY_DELAY", 0.01)
+    pub = signed_series(train, tmp_path / "pub", keys["ours"][0], upto=2)
+    interrupted_publish(train, pub, keys["ours"][0], monkeypatch, upto=3)
+    before = {p.name: p.read_bytes() for p in pub.iterdir()}
+    err = refused(cli("publish", tmp_path / "pub-train", pub, "--sign", keys["ours"][0], "--settle", "0",
+                      "--trust-state", tmp_path / "other.json"), "does not match", "--trust-state")
+    assert "interrupted" in err
+    assert {p.name: p.read_bytes() for p in pub.iterdir()} == before
+    (pub / MANIFEST).write_text((pub / MANIFEST).read_text().replace('"step": 2,', '"step": 102,'))
+    with pytest.raises(UntrustedManifestError, match="does not match"):
+        signed_series(train, pub, keys["ours"][0], upto=STEPS)
+
+
+def test_recovery_re_signs_only_bytes_recorded_under_a_key_the_publisher_trusts(train, keys, tmp_path, monkeypatch):
+    monkeypatch.setattr(signing, "RETRY_DELAY", 0.01)
+    pub = signed_series(train, tmp_path / "pub", keys["ours"][0], upto=2)
+    interrupted_publish(train, pub, keys["ours"][0], monkeypatch, upto=3)
+    before = {p.name: p.read_bytes() for p in pub.iterdir()}
+    with pytest.raises(UntrustedManifestError, match="not a trusted key"):  # another key, not trusting ours
+        signed_series(train, pub, keys["theirs"][0], upto=STEPS)
+    assert {p.name: p.read_bytes() for p in pub.iterdir()} == before
+    publish_once(tmp_path / "pub-train", pub, anchor_every=2, settle=0, sign=keys["theirs"][0],
+                 trust=keys["ours"][1])  # a rotation: trusted, so recovered
+    worker = tmp_path / "w.safetensors"
+    assert catch_up(worker, pub, trust=[keys["ours"][1], keys["theirs"][1]], trust_state=tmp_path / "w.json").step == STEPS
