@@ -12,7 +12,8 @@ checks the relations that make it one series (docs/FORMAT.md §8):
   the target digest of its `from_step` wherever that step is listed;
 - sizes are non-negative, steps below 2**48;
 - `serial` (counted up by the publisher at every write) and each file's
-  `sha256` are optional for unsigned series; a signed one needs both (§8.1).
+  `sha256` are optional for unsigned series; a signed one needs both (§8.1);
+  `series`, a signed series' id, is optional everywhere.
 
 What the manifest cannot prove, the files do: catch-up checks each planned
 file's own header digests against its entry before using it (series.py).
@@ -97,10 +98,12 @@ class Manifest:
     precision: str
     entries: list[Entry]
     serial: int = 0  # one more at every manifest the publisher writes: a worker's rollback check compares it
+    series: str | None = None  # a signed series' id, fixed at its first manifest: a worker pins it per source
 
     def to_json(self) -> dict:
-        return {"version": MANIFEST_VERSION, "serial": self.serial, "precision": self.precision,
-                "entries": [e.to_json() for e in self.entries]}
+        head = {"version": MANIFEST_VERSION} | ({"series": self.series} if self.series is not None else {})
+        return head | {"serial": self.serial, "precision": self.precision,
+                       "entries": [e.to_json() for e in self.entries]}
 
     def to_bytes(self) -> bytes:
         """The bytes a publisher writes (and signs)."""
@@ -159,6 +162,8 @@ def read_small_file(path: Path, limit: int, error=InvalidManifestError) -> bytes
     return data
 
 
+SERIES_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 def parse_manifest(data: bytes, source: str) -> Manifest:
     def fail(reason: str) -> InvalidManifestError:
         return InvalidManifestError(source, reason)
@@ -180,9 +185,12 @@ def parse_manifest(data: bytes, source: str) -> Manifest:
     if len(raw_entries) > MAX_ENTRIES:
         raise fail(f"more than {MAX_ENTRIES} entries")
     serial = _uint(obj, "serial", MAX_SERIAL, "manifest", fail) if "serial" in obj else 0
+    series = obj.get("series")
+    if "series" in obj and not (isinstance(series, str) and SERIES_ID.fullmatch(series)):
+        raise fail("series must be 1 to 64 letters, digits, '-' or '_'")
     entries = [_entry(e, i, fail) for i, e in enumerate(raw_entries)]
     _check_relations(entries, fail)
-    return Manifest(precision, entries, serial)
+    return Manifest(precision, entries, serial, series)
 
 
 def _uint(e: dict, key: str, upper: int, where: str, fail) -> int:

@@ -274,11 +274,15 @@ def _save_manifest(dest: Store, manifest: Manifest, signing: "_Signing | None") 
         return
     from .signing import check_rollback, public_key_text, sign_manifest
 
+    if manifest.series is None:  # a new signed series (or one from before ids): its id, kept from now on
+        import secrets
+
+        manifest.series = secrets.token_hex(16)
     data = manifest.to_bytes()
     dest.save_manifest(manifest, sign_manifest(signing.key, data))
     newest = manifest.newest
     check_rollback(signing.trust.state, dest.identity, public_key_text(signing.key), manifest.serial,
-                   newest.step if newest else None, data, dest.shown(MANIFEST))
+                   newest.step if newest else None, data, dest.shown(MANIFEST), series=manifest.series)
 
 
 def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, precision, codec, device, pattern, ready,

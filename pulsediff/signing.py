@@ -15,6 +15,9 @@ docs/FORMAT.md §8.1 is the specification; in short:
   it accepted (a state file, `default_state_file()`); a signed manifest with
   a lower serial, or the same serial and other bytes, is refused (replay,
   rollback), also across a key rotation: serials continue under a new key.
+  The manifest's signed `series` id is pinned there too, at the first
+  manifest that has one: another series signed by the same key, copied over
+  this source, is refused.
 
 The crypto is the `cryptography` package's (OpenSSL), imported only when a
 key is used, so that `pulsediff --help` and unsigned series never load it.
@@ -239,7 +242,7 @@ def default_state_file() -> Path:
 
 
 def check_rollback(state_file: Path | None, source: str, key: str, serial: int, step: int | None, data: bytes,
-                   where: str, *, record: bool = True) -> None:
+                   where: str, *, record: bool = True, series: str | None = None) -> None:
     """Refuse a manifest older than the newest one accepted from `source`, under any key; record this one.
 
     The state file maps the source to the serial, newest step, SHA-256 and
@@ -248,6 +251,9 @@ def check_rollback(state_file: Path | None, source: str, key: str, serial: int, 
     old key trusted), so the old key's last manifest, still trusted during
     the rotation, is older than one accepted under the new key and refused.
     Entries of the first record format ("KEY SOURCE") count for their source.
+    `series` (the manifest's signed series id) is pinned at the first manifest
+    that has one: a manifest of another series (another series signed by the
+    same key, copied over this source), or without one, is refused after.
     It is locked while read and rewritten (workers on one machine share it)
     and replaced atomically. A damaged state file is an error, never a fresh
     start: forgetting it would re-open the replay."""
@@ -266,6 +272,10 @@ def check_rollback(state_file: Path | None, source: str, key: str, serial: int, 
         if source in state["series"]:
             candidates.append(state["series"][source])
         seen = max(candidates, key=lambda s: s["serial"], default=None)
+        if seen is not None and seen.get("series") is not None and series != seen["series"]:
+            raise RollbackError(where, f"it is of series {series or '(none)'}, not series {seen['series']} that this "
+                                       f"worker follows from this source (another series signed by the same key? "
+                                       f"record: {state_file})")
         if seen is not None:
             by = f" (signed by {seen['key']})" if seen.get("key") and seen["key"] != key else ""
             if serial < seen["serial"]:
@@ -275,13 +285,15 @@ def check_rollback(state_file: Path | None, source: str, key: str, serial: int, 
             if serial == seen["serial"] and digest != seen["sha256"]:
                 raise RollbackError(where, f"its serial {serial} was already accepted from this source with other "
                                            f"bytes{by} (two publishers? record: {state_file})")
-            if serial == seen["serial"] and not legacy:
+            if serial == seen["serial"] and not legacy and seen.get("series") == series:
                 return
         if not record:
             return
         for name in legacy:
             del state["series"][name]
         state["series"][source] = {"serial": serial, "step": step, "sha256": digest, "key": key}
+        if series is not None:
+            state["series"][source]["series"] = series
         _save_state(state_file, state)
     finally:
         os.close(lock_fd)
@@ -381,5 +393,5 @@ def read_signed_manifest(store, trust: Trust, *, record: bool = True):
                                             f"authenticated")
     newest = manifest.newest
     check_rollback(trust.state, store.identity, key, manifest.serial, newest.step if newest else None, data, where,
-                   record=record)
+                   record=record, series=manifest.series)
     return manifest

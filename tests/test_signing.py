@@ -577,3 +577,46 @@ def test_recovery_re_signs_only_bytes_recorded_under_a_key_the_publisher_trusts(
                  trust=keys["ours"][1])  # a rotation: trusted, so recovered
     worker = tmp_path / "w.safetensors"
     assert catch_up(worker, pub, trust=[keys["ours"][1], keys["theirs"][1]], trust_state=tmp_path / "w.json").step == STEPS
+
+
+# -- one key, two series: the signed series id ------------------------------------------------------------
+
+
+def test_another_series_signed_by_the_same_key_is_refused_where_one_is_followed(train, keys, tmp_path):
+    """Series B, signed by the same key with a higher serial, copied over series A's folder: the worker
+    pinned A's signed `series` id when it first trusted it, and refuses B."""
+    pub = signed_series(train, tmp_path / "pub", keys["ours"][0], upto=2)
+    series_id = json.loads((pub / MANIFEST).read_text())["series"]
+    assert isinstance(series_id, str) and len(series_id) == 32
+    worker = tmp_path / "worker.safetensors"
+    assert catch_up(worker, pub, trust=keys["ours"][1]).step == 2
+    fake = tmp_path / "fake-train"
+    fake.mkdir()
+    save_series(fake, STEPS + 2, seed=99, shape=(64, 32), tensors=3, density=0.05)
+    other = tmp_path / "other"
+    publish_once(fake, other, anchor_every=2, settle=0, sign=keys["ours"][0])  # serial 7 > 3
+    assert json.loads((other / MANIFEST).read_text())["series"] != series_id
+    before = worker.read_bytes()
+    saved = {p.name: p.read_bytes() for p in pub.iterdir()}
+    for p in other.iterdir():
+        shutil.copy(p, pub / p.name)
+    refused(cli("catch-up", worker, pub, "--trust", keys["ours"][1]), "series", series_id)
+    untouched(worker, before)
+    for p in pub.iterdir():  # A's own folder back: A goes on under its id, whoever continues it
+        p.unlink()
+    for name, data in saved.items():
+        (pub / name).write_bytes(data)
+    signed_series(train, pub, keys["ours"][0], upto=STEPS)
+    assert json.loads((pub / MANIFEST).read_text())["series"] == series_id
+    assert catch_up(worker, pub, trust=keys["ours"][1]).step == STEPS
+
+
+def test_a_series_id_of_another_form_makes_the_manifest_invalid():
+    from pulsediff.errors import InvalidManifestError
+    from pulsediff.manifest import parse_manifest
+
+    good = Manifest("exact", [], 3, "0123abcd").to_bytes()
+    assert parse_manifest(good, "m").series == "0123abcd"
+    for bad in ('"a b"', '""', "7", '"' + "a" * 65 + '"'):
+        with pytest.raises(InvalidManifestError, match="series"):
+            parse_manifest(good.replace(b'"0123abcd"', bad.encode()), "m")
