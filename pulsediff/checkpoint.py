@@ -20,7 +20,6 @@ import errno
 import mmap
 import os
 import stat
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,8 +274,10 @@ class Checkpoint:
                     mapped.unwatch(s._guard)
                     s._guard = None
                 except BufferError:
-                    # A view is still alive: the map closes when it is collected, guarded until then.
-                    weakref.finalize(s._map, mapped.unwatch, s._guard)
+                    # A view is still alive: the map closes when it is collected, its slot left until a
+                    # new map over its addresses clears it (mapped.watch). Not a finalizer: one run by
+                    # the garbage collector inside watch, which holds the guard's lock, deadlocked.
+                    pass
                 s._map = None
         if changed is not None:
             raise changed
