@@ -542,10 +542,9 @@ def _check_structure(live: StateDict, records: dict) -> None:
 
 def _bits_view(tensor):
     """The tensor's elements as signed integers of the same width (torch has few unsigned types)."""
-    import torch
+    from .kernels.class_sort import signed_view
 
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
-    return tensor.detach().reshape(-1).view(width)
+    return signed_view(tensor.detach())
 
 
 def _roll_back(undo: list) -> list:

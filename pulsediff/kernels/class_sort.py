@@ -49,7 +49,7 @@ def _torch():
     return torch
 
 
-def _signed_view(t):
+def signed_view(t):
     """A flat tensor of integer bit patterns, as signed integers of its width (torch's shifts
     on these are arithmetic, which is the kernels' definition for 8-byte elements and, under
     FORMAT.md's s + b <= W, gives the same class as a logical shift for narrower ones)."""
@@ -108,7 +108,7 @@ def locate_ranked(base, shift: int, mask: int, class_offsets, ranks, window: int
     class mean a damaged patch: the walks may find a different number of such entries, but
     never all of them, so a caller that requires every entry found refuses it either way."""
     torch = _torch()
-    bits = _signed_view(base)
+    bits = signed_view(base)
     dev = bits.device
     ncls = mask + 1
     ranks = torch.as_tensor(np.ascontiguousarray(ranks, np.int64)).to(dev) if not torch.is_tensor(ranks) \
@@ -143,7 +143,7 @@ def diff_ranks(old, new, shift: int, mask: int, window: int = WINDOW):
     zigzag-coded difference new - old modulo 2**width (int64), its base class (int64) and its
     rank within that class (int64); and the class sizes (int64, mask + 1). Any device."""
     torch = _torch()
-    a, b = _signed_view(old), _signed_view(new)
+    a, b = signed_view(old), signed_view(new)
     if a.numel() != b.numel() or a.element_size() != b.element_size():
         raise ValueError("diff_ranks needs arrays of equal length and element width")
     dev = a.device
