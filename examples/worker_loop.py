@@ -25,7 +25,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pulsediff.live import catch_up_state_dict
+from pulsediff import catch_up_state_dict
 
 
 def small_llama() -> LlamaForCausalLM:

@@ -2,7 +2,7 @@
 
 import sys
 
-from pulsediff.interrupt import MESSAGE
+from pulsediff.runtime.interrupt import MESSAGE
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ class CheckpointReadError(PulsediffError, OSError):
 
 
 class FolderFileError(PulsediffError, ValueError):
-    """A file beside a model folder's weights that a patch cannot carry (pulsediff/folder_files.py)."""
+    """A file beside a model folder's weights that a patch cannot carry (pulsediff/io/folder_files.py)."""
 
     def __init__(self, path: str, reason: str):
         self.path = path

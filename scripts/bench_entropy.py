@@ -46,7 +46,7 @@ def measure(elements: int, density: float, seed: int) -> dict:
 
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import Scratch, SectionContext
-    from pulsediff.dtypes import DTYPES
+    from pulsediff.io.dtypes import DTYPES
     from pulsediff.kernels import get_backend
 
     rng = np.random.default_rng(seed)

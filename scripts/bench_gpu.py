@@ -5,7 +5,7 @@ ctx-rans patch to a 7B-shaped set of BF16 tensors held in GPU memory.
 On a machine with an NVIDIA GPU, numba-cuda and a CUDA build of torch:
 
     python scripts/bench_gpu.py                      # 7B shape, 1% density, 5 repeats
-    python scripts/bench_gpu.py --live               # also pulsediff.live.apply_to_state_dict end to end
+    python scripts/bench_gpu.py --live               # also pulsediff.ops.live.apply_to_state_dict end to end
     python scripts/bench_gpu.py --make               # also pulsediff.make_patch_bytes from CUDA state dicts
     python scripts/bench_gpu.py --tiny               # a few thousand elements: checks the script runs
 
@@ -31,16 +31,16 @@ What is measured:
   entropy decode itself runs on the CPU and is not in this figure (the issue allows it
   to overlap with the device work; docs/BENCHMARKS.md has CPU decode figures). The
   result is checked bit for bit against the expected tensors.
-- the same patch applied as `pulsediff.live` does with check="sums" (the default for GPU
+- the same patch applied as `pulsediff.ops.live` does with check="sums" (the default for GPU
   tensors): word sum of the base, class counts, ranked_positions, add_at with its undo
   log, word sum of the target, per tensor.
 - the same with `locate_ranked` in place of chunk_class_starts + ranked_positions: on a real
   GPU that is kernels.class_sort's stable sort of the class keys (torch, CUB), the path
-  `pulsediff.live` takes now; and the plain-torch baseline of systems that ship raw indices
+  `pulsediff.ops.live` takes now; and the plain-torch baseline of systems that ship raw indices
   and values: int32 positions and BF16 values from pinned memory, H2D, `index_copy_`.
 - with --make: `pulsediff.make_patch_bytes(old, new)` from two state dicts in GPU memory, next
   to plain torch's compare (`nonzero(a != b)` and a gather) over the same tensors.
-- with --live: `pulsediff.live.apply_to_state_dict(tensors, patch)` on the same tensors
+- with --live: `pulsediff.ops.live.apply_to_state_dict(tensors, patch)` on the same tensors
   with a real ctx-rans patch (made with make_patch_bytes from host copies), end to end:
   header and entropy decode on the CPU, everything else on the device.
 
@@ -369,7 +369,7 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
         return where, found
 
     def checked(positions):
-        # What pulsediff.live's check="sums" runs per tensor after the entropy decode: the base's
+        # What pulsediff.ops.live's check="sums" runs per tensor after the entropy decode: the base's
         # word sum, the class sizes and positions, the add with its undo log, the target's sum.
         def run():
             applied[0] = 0
@@ -444,7 +444,7 @@ def make_from_state_dicts(tensors, arrays, repeats: int, info: dict) -> list[lis
     compare (`nonzero(a != b)` and a gather of the new values) over the same tensors."""
     import torch
 
-    from pulsediff.make import make_patch_bytes
+    from pulsediff.ops.make import make_patch_bytes
 
     old = {t.name: t.dev for t in tensors}
     new = {t.name: torch.from_numpy(t.expected.view(np.int16).reshape(t.shape)).view(torch.bfloat16).cuda()
@@ -478,11 +478,11 @@ def make_from_state_dicts(tensors, arrays, repeats: int, info: dict) -> list[lis
 
 
 def live_apply(tensors, arrays, repeats: int, info: dict) -> list[str]:
-    """pulsediff.live.apply_to_state_dict end to end, with a real ctx-rans patch."""
+    """pulsediff.ops.live.apply_to_state_dict end to end, with a real ctx-rans patch."""
     import torch
 
-    from pulsediff.live import apply_to_state_dict
-    from pulsediff.make import make_patch_bytes
+    from pulsediff.ops.live import apply_to_state_dict
+    from pulsediff.ops.make import make_patch_bytes
 
     def host(bits, shape):
         return torch.from_numpy(bits.view(np.int16).reshape(shape)).view(torch.bfloat16)
@@ -501,7 +501,7 @@ def live_apply(tensors, arrays, repeats: int, info: dict) -> list[str]:
     info["live_ok"] = all(np.array_equal(live[t.name].view(torch.int16).cpu().numpy().view(np.uint16).reshape(-1),
                                          t.expected) for t in tensors)
     nbytes = 2 * info["elements"]
-    return [f"`pulsediff.live.apply_to_state_dict` end to end, ctx-rans patch file of {len(patch):,} bytes", "-",
+    return [f"`pulsediff.ops.live.apply_to_state_dict` end to end, ctx-rans patch file of {len(patch):,} bytes", "-",
             f"{seconds * 1e3:.1f}", gbps(nbytes, seconds), "-"]
 
 
@@ -512,7 +512,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--copy-mib", type=float, default=1024.0, help="MiB copied for the copy bandwidth")
     ap.add_argument("--model", choices=["7b", "none"], default="7b")
-    ap.add_argument("--live", action="store_true", help="also time pulsediff.live.apply_to_state_dict")
+    ap.add_argument("--live", action="store_true", help="also time pulsediff.ops.live.apply_to_state_dict")
     ap.add_argument("--make", action="store_true",
                     help="also time pulsediff.make_patch_bytes from two CUDA state dicts (needs torch with CUDA)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and blocks: a run that checks the script")

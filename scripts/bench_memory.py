@@ -1,4 +1,4 @@
-"""Measure what first touches of memory cost, with and without pulsediff.memory's hints.
+"""Measure what first touches of memory cost, with and without pulsediff.io.memory's hints.
 
     python scripts/bench_memory.py [--mib 1024] [--file PATH] [--repeats 5]
 
@@ -37,7 +37,7 @@ t = time.perf_counter(); a = np.empty(N, np.uint8); a.fill(1); print(time.perf_c
 """,
     "anon: fresh_buffer + fill": """
 import numpy as np, time
-from pulsediff.memory import fresh_buffer
+from pulsediff.io.memory import fresh_buffer
 t = time.perf_counter(); a = fresh_buffer(N); a.fill(1); print(time.perf_counter() - t)
 """,
     "file: mmap, a byte per page": """
@@ -49,7 +49,7 @@ a = np.frombuffer(m, np.uint8); s = int(a[::mmap.PAGESIZE].sum()); print(time.pe
 """,
     "file: mmap + populate_read, a byte per page": """
 import mmap, numpy as np, time
-from pulsediff.memory import populate_read
+from pulsediff.io.memory import populate_read
 f = open(PATH, 'rb')
 t = time.perf_counter()
 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); populate_read(m, 0, len(m))
@@ -59,8 +59,8 @@ a = np.frombuffer(m, np.uint8); s = int(a[::mmap.PAGESIZE].sum()); print(time.pe
 for _mode in ("buffered", "direct"):
     CASES[f"write + fsync: {_mode}"] = f"""
 import time, pathlib
-from pulsediff.atomic import StagedFiles
-from pulsediff.memory import fresh_buffer
+from pulsediff.io.atomic import StagedFiles
+from pulsediff.io.memory import fresh_buffer
 a = fresh_buffer(N); a.fill(7)
 out = pathlib.Path(OUTDIR) / "written.bin"
 t = time.perf_counter()

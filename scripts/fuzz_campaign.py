@@ -218,7 +218,7 @@ def run_cases(args, corpus_root: Path, work_root: Path) -> dict:
 
 CHILD = """
 import sys
-import pulsediff.apply, pulsediff.kernels.cpu, pulsediff.codecs.ctx_rans, pulsediff.codecs.entropy  # imports first
+import pulsediff.ops.apply, pulsediff.kernels.cpu, pulsediff.codecs.ctx_rans, pulsediff.codecs.entropy  # imports first
 from pulsediff import apply_patch
 mode, base, patch, out = sys.argv[1:5]
 print("go", flush=True)
@@ -286,8 +286,8 @@ def _run_child(mode, base, patch, out, kill_after: float | None) -> tuple[float,
 
 def kill_trials(n: int, root: Path, seed: int = 0) -> dict:
     from pulsediff import apply_patch
-    from pulsediff.atomic import INTENT_NAME
-    from pulsediff.inspect import checkpoint_digest_of
+    from pulsediff.io.atomic import INTENT_NAME
+    from pulsediff.ops.inspect import checkpoint_digest_of
 
     data = build_kill_corpus(root / "corpus")
     rng = random.Random(seed)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from pulsediff import make_patch
-from pulsediff.inspect import checkpoint_digest_of
+from pulsediff.ops.inspect import checkpoint_digest_of
 
 
 CODECS = ("gap-zstd", "ctx-rans")

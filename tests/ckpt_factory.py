@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pulsediff.dtypes import DTYPES
+from pulsediff.io.dtypes import DTYPES
 
 TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items() if hasattr(torch, d.torch_name)}
 

@@ -55,9 +55,9 @@ import xxhash
 import zstandard
 
 from pulsediff.codecs import REGISTRY
-from pulsediff.dtypes import DTYPES
+from pulsediff.io.dtypes import DTYPES
 from pulsediff.errors import InvalidCheckpointError, PulsediffError
-from pulsediff.format import MAGIC, PREAMBLE
+from pulsediff.format.container import MAGIC, PREAMBLE
 
 KINDS = (*REGISTRY, "header", "layout", "checkpoint", "manifest")
 VERDICTS = ("refused", "accepted", "wrong", "asymmetric", "exception", "memory", "harness")
@@ -261,7 +261,7 @@ def build_corpus(root: Path, big_bombs: bool = False) -> Corpus:
 
     from ckpt_factory import folder_bytes, mutate, random_tensor, save, save_series, save_sharded
     from pulsediff import apply_patch, make_patch
-    from pulsediff.series import publish_once
+    from pulsediff.series.publish import publish_once
 
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(2024)
@@ -973,8 +973,8 @@ def hidden(folder: Path) -> list[str]:
 
 def check_claims(out: Path, h: dict, blob: bytes | None, *, in_place: bool, receiver: bool) -> str | None:
     """Why the output at `out` is not what header `h` (with layout blob `blob`) says, or None."""
-    from pulsediff.checkpoint import Checkpoint
-    from pulsediff.digest import TensorId, checkpoint_digest
+    from pulsediff.io.checkpoint import Checkpoint
+    from pulsediff.format.digest import TensorId, checkpoint_digest
 
     try:
         claims = [TensorId(t["name"], t["dtype"], tuple(t["shape"]), t["target_hash"]) for t in h["tensors"]]
@@ -1104,7 +1104,7 @@ def edit_layout_headers(h: dict, edit) -> None:
 
 def retarget(h: dict) -> None:
     """target.digest recomputed from the tensor entries, so that a lie about them is told consistently."""
-    from pulsediff.digest import TensorId, checkpoint_digest
+    from pulsediff.format.digest import TensorId, checkpoint_digest
 
     h["target"]["digest"] = checkpoint_digest(
         [TensorId(t["name"], t["dtype"], tuple(t["shape"]), t["target_hash"]) for t in h["tensors"]])
@@ -1330,9 +1330,9 @@ def feed_patch(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, sam
             clean_possible: bool) -> None:
     """Feed a mutated patch to one of the commands that read patches and judge the outcome."""
     from pulsediff import apply_patch
-    from pulsediff.apply import apply_chain
-    from pulsediff.squash import squash_patches
-    from pulsediff.stats import stats_of_patch_file
+    from pulsediff.ops.apply import apply_chain
+    from pulsediff.ops.squash import squash_patches
+    from pulsediff.ops.stats import stats_of_patch_file
 
     patch = work / "p.pulsediff"
     patch.write_bytes(data)
@@ -1487,9 +1487,10 @@ def case_checkpoint(corpus: Corpus, rng: random.Random, work: Path, judge: Judge
 def publish_hostile(corpus: Corpus, rng: random.Random, work: Path, judge: Judge, hostile: Path) -> None:
     """A hostile checkpoint as a trainer's newest step: publish skips it or publishes a step that
     catch-up then rebuilds byte for byte (it never publishes what no worker can apply)."""
-    from pulsediff.inspect import checkpoint_digest_of
-    from pulsediff.manifest import Manifest
-    from pulsediff.series import catch_up, publish_once
+    from pulsediff.ops.inspect import checkpoint_digest_of
+    from pulsediff.format.manifest import Manifest
+    from pulsediff.series.catch_up import catch_up
+    from pulsediff.series.publish import publish_once
 
     train, pub = work / "train", work / "pub"
     train.mkdir()
@@ -1530,10 +1531,10 @@ def _tree_bytes(path: Path) -> dict[str, bytes] | bytes | None:
 
 def case_manifest(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) -> None:
     """A hostile manifest (and sometimes a hostile file under a plausible entry) given to catch-up."""
-    from pulsediff.digest import is_digest
-    from pulsediff.inspect import checkpoint_digest_of
-    from pulsediff.manifest import EMPTY_DIGEST, MANIFEST, parse_manifest
-    from pulsediff.series import catch_up, plan_catch_up
+    from pulsediff.format.digest import is_digest
+    from pulsediff.ops.inspect import checkpoint_digest_of
+    from pulsediff.format.manifest import EMPTY_DIGEST, MANIFEST, parse_manifest
+    from pulsediff.series.catch_up import catch_up, plan_catch_up
 
     pub, train = corpus.path(corpus.pub), corpus.path(corpus.train)
     truth = {int(p.stem.split("_")[1]): corpus.read(str(p.relative_to(corpus.root))) for p in sorted(train.iterdir())}

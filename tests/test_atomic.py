@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from pulsediff import atomic
-from pulsediff.atomic import StagedFiles
+from pulsediff.io import atomic
+from pulsediff.io.atomic import StagedFiles
 from pulsediff.errors import OutputError
 
 STAGE = atomic._DIRECT_STAGE
@@ -176,7 +176,7 @@ def test_a_failed_direct_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_a_writer_that_cannot_get_its_buffer_closes_the_file(tmp_path, monkeypatch):
-    from pulsediff import memory
+    from pulsediff.io import memory
 
     def no_memory(nbytes):
         raise MemoryError
@@ -193,11 +193,11 @@ def test_a_writer_that_cannot_get_its_buffer_closes_the_file(tmp_path, monkeypat
 
 def test_a_swallowed_ctrl_c_still_stops_the_commit(tmp_path, monkeypatch):
     """A KeyboardInterrupt raised inside a finalizer is swallowed by Python; the CLI's handler records it
-    (pulsediff.interrupt) and the commit refuses to make anything visible."""
+    (pulsediff.runtime.interrupt) and the commit refuses to make anything visible."""
     import pytest
 
-    from pulsediff import interrupt
-    from pulsediff.atomic import StagedFiles
+    from pulsediff.runtime import interrupt
+    from pulsediff.io.atomic import StagedFiles
 
     monkeypatch.setattr(interrupt, "_seen", True)
     with pytest.raises(KeyboardInterrupt):
@@ -218,7 +218,7 @@ def test_a_failure_between_windows_lets_the_write_in_flight_finish_before_the_fi
     import torch
     from safetensors.torch import save_file
 
-    import pulsediff.apply as apply_mod
+    import pulsediff.ops.apply as apply_mod
     from pulsediff import apply_patch, make_patch
     from pulsediff.codecs.ctx_rans import CtxRans
     from pulsediff.errors import CorruptPatchError
@@ -268,7 +268,7 @@ def test_memory_hints_leave_maps_whole_and_closable(tmp_path):
     call (the map still closes), and ranges past the end or empty are harmless."""
     import mmap
 
-    from pulsediff import memory
+    from pulsediff.io import memory
 
     data = np.random.default_rng(3).integers(0, 256, 5 * mmap.PAGESIZE + 123, dtype=np.uint8).tobytes()
     path = tmp_path / "f.bin"

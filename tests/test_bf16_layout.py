@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pulsediff import apply_patch, make_patch
-from pulsediff.inspect import checkpoint_digest_of
+from pulsediff.ops.inspect import checkpoint_digest_of
 
 from ckpt_factory import folder_bytes, save, save_sharded
 

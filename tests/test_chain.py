@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import save_file
 
 from pulsediff import apply_patch, make_patch
-from pulsediff.apply import apply_chain
+from pulsediff.ops.apply import apply_chain
 from pulsediff.codecs import SPARSE_CODECS
 from pulsediff.errors import BaseMismatchError, ChainError, TensorMismatchError, UsageError
-from pulsediff.squash import squash_patches
+from pulsediff.ops.squash import squash_patches
 
 from ckpt_factory import mutate, random_tensor, save, save_sharded
 
@@ -110,10 +110,10 @@ def test_anchor_is_a_patch_from_the_empty_checkpoint(tmp_path):
 def test_make_from_a_source_that_reuses_its_buffer_encodes_each_tensor_before_the_next(tmp_path):
     """squash hands make tensors rebuilt in one reused buffer: make must not encode them
     side by side (it did: squashed patches that apply refused, found by the fuzz campaign)."""
-    from pulsediff.make import TargetSource, write_patch
-    from pulsediff.checkpoint import TensorData, TensorView, open_checkpoint
-    from pulsediff.dtypes import DTYPES
-    from pulsediff.progress import SILENT
+    from pulsediff.ops.make import TargetSource, write_patch
+    from pulsediff.io.checkpoint import TensorData, TensorView, open_checkpoint
+    from pulsediff.io.dtypes import DTYPES
+    from pulsediff.runtime.progress import SILENT
 
     rng = np.random.default_rng(5)
     names = [f"t{i}" for i in range(6)]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from pulsediff import apply_patch, make_patch
-from pulsediff.checkpoint import Checkpoint, TensorView
+from pulsediff.io.checkpoint import Checkpoint, TensorView
 from pulsediff.errors import CheckpointNotFoundError, InvalidCheckpointError, OutputError
 
 from ckpt_factory import TORCH_DTYPES, mutate, random_tensor, save, save_sharded
@@ -134,7 +134,7 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
     """A FIFO given as a checkpoint (or as a shard of a folder) used to block forever."""
     import os
 
-    from pulsediff.checkpoint import Checkpoint
+    from pulsediff.io.checkpoint import Checkpoint
     from pulsediff.errors import InvalidCheckpointError
 
     os.mkfifo(tmp_path / "pipe.safetensors")
@@ -229,7 +229,7 @@ def test_unreadable_shard_is_one_line_for_every_command(tmp_path, command):
 
 def test_folder_file_reads_are_exact_and_bounded(tmp_path, monkeypatch):
     """A carried file is read whole; one past the limit, or not the size expected, is refused."""
-    from pulsediff import folder_files
+    from pulsediff.io import folder_files
     from pulsediff.errors import FolderFileError
 
     path = tmp_path / "config.json"
@@ -250,7 +250,7 @@ def test_a_folder_file_that_grows_while_read_is_refused(tmp_path, monkeypatch):
     """fstat says one size, the read finds more: the file changed under us."""
     import os as os_module
 
-    from pulsediff import folder_files
+    from pulsediff.io import folder_files
     from pulsediff.errors import FolderFileError
 
     path = tmp_path / "tokenizer.json"

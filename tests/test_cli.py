@@ -316,7 +316,7 @@ def test_ctrl_c_exits_even_when_a_thread_would_hold_up_the_exit(pair, tmp_path):
 # renames of a sharded in-place apply) or "after" (the commit is over, the command is not).
 CTRL_C_AT_COMMIT = """
 import os, signal, sys
-from pulsediff import atomic
+from pulsediff.io import atomic
 when = sys.argv.pop(1)
 real_rename, real_commit = atomic.os.replace, atomic.StagedFiles.commit
 def replace(src, dst, _n=[0]):
@@ -403,12 +403,12 @@ def test_exit_codes_are_the_readmes(pair, tmp_path, monkeypatch, capsys):
     assert_one_line_error(run("digest", tmp_path / "missing", check=False), 1, "not found")
     assert_one_line_error(run("digest", old, "--bogus", check=False), 2, "No such option")
     # 3 is a bug, which has no honest trigger: a library function that fails as no error it promises
-    import pulsediff.inspect
+    import pulsediff.ops.inspect
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(pulsediff.inspect, "checkpoint_digest_of", broken)
+    monkeypatch.setattr(pulsediff.ops.inspect, "checkpoint_digest_of", broken)
     with pytest.raises(SystemExit) as exc:
         cli_main.main(["digest", str(old)])
     assert exc.value.code == 3
@@ -437,7 +437,7 @@ def test_help_names_no_python_types(command):
 
 
 def test_cli_choices_mirror_the_library():
-    from pulsediff.checkpoint import PRECISIONS
+    from pulsediff.io.checkpoint import PRECISIONS
     from pulsediff.cli.options import CODECS, PRECISIONS as CLI_PRECISIONS
     from pulsediff.codecs import SPARSE_CODECS
 

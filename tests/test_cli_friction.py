@@ -78,7 +78,7 @@ def test_two_checkpoints_for_one_step_is_an_input_error_with_a_hint(train, tmp_p
 def test_python_api_refuses_an_existing_output_unless_forced(pair, tmp_path):
     from pulsediff import apply_patch, make_patch
     from pulsediff.errors import OutputExistsError
-    from pulsediff.squash import squash_patches
+    from pulsediff.ops.squash import squash_patches
 
     old, new = pair
     patch, out, squashed = tmp_path / "p", tmp_path / "out.safetensors", tmp_path / "s"
@@ -119,7 +119,7 @@ def test_catch_up_output_that_exists_needs_force(train, published, tmp_path):
     assert worker.read_bytes() == (train / "step_000001.safetensors").read_bytes()
     # the Python API says the same
     from pulsediff.errors import OutputExistsError
-    from pulsediff.series import catch_up
+    from pulsediff.series.catch_up import catch_up
 
     with pytest.raises(OutputExistsError, match="force=True"):
         catch_up(worker, published, out)

@@ -23,7 +23,7 @@ from pulsediff.errors import (
     TruncatedPatchError,
     UnsupportedVersionError,
 )
-from pulsediff.format import FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMBLE, encode_header, encode_preamble
+from pulsediff.format.container import FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMBLE, encode_header, encode_preamble
 
 from ckpt_factory import mutate, random_tensor, save
 
@@ -205,7 +205,10 @@ def test_fuzzed_sections_with_valid_checksums(small_pair, tmp_path):
 
 
 def test_magic_and_version_are_pinned():
+    from pulsediff.io.checkpoint import PATCH_MAGIC
+
     assert MAGIC == b"PULSEDIF"
+    assert PATCH_MAGIC == MAGIC  # the checkpoint reader names a patch given in a checkpoint's place by it
     assert FORMAT_MAJOR == 1
     assert FORMAT_MINOR == 2  # 1.1: layout digest, folder files; 1.2: word sums (docs/FORMAT.md §11)
     assert PREAMBLE.size == 32
@@ -220,7 +223,7 @@ def test_hostile_header_json_is_a_corrupt_patch(raw, reason):
     import zstandard
 
     from pulsediff.errors import CorruptPatchError
-    from pulsediff.format import _decode_header_frame
+    from pulsediff.format.container import _decode_header_frame
 
     with pytest.raises(CorruptPatchError, match=reason):
         _decode_header_frame(zstandard.ZstdCompressor().compress(raw), "p")

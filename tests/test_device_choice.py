@@ -18,7 +18,7 @@ import pytest
 from ckpt_factory import mutate, random_tensor, save
 
 import pulsediff.kernels as kernels
-from pulsediff import notices
+from pulsediff.runtime import notices
 from pulsediff.errors import DeviceUnavailableError
 
 # Runs the CLI in a process whose CUDA "driver" fails every upload with out-of-memory.
@@ -251,7 +251,7 @@ def test_live_writes_through_torch_views_match_numpy():
     checked here on CPU tensors against the NumPy scatter, bit for bit, and the undo."""
     import torch
 
-    from pulsediff.live import _Undo, _bits_view, _roll_back, _scatter
+    from pulsediff.ops.live import _Undo, _bits_view, _roll_back, _scatter
 
     rng = np.random.default_rng(5)
     for dtype in (torch.bfloat16, torch.float32, torch.uint8, torch.float64):

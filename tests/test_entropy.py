@@ -294,7 +294,7 @@ def ctx_rans_section_ref(base: np.ndarray, target: np.ndarray, dtype) -> bytes:
 def test_ctx_rans_encoder_matches_plain_reference(name, dtype, n):
     """Both encoder entries (fused encode_pair, and encode from positions) write the reference's bytes."""
     from pulsediff.codecs import get_codec
-    from pulsediff.dtypes import DTYPES
+    from pulsediff.io.dtypes import DTYPES
 
     rng = np.random.default_rng(n)
     base = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
@@ -317,8 +317,8 @@ def test_ctx_rans_windowed_decode_matches_whole_decode(window):
     """Windows (counted and rebuilt one at a time, several kernel ranges each) give the whole decode's bits."""
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import SectionContext
-    from pulsediff.dtypes import DTYPES
-    from pulsediff.memory import Scratch
+    from pulsediff.io.dtypes import DTYPES
+    from pulsediff.io.memory import Scratch
 
     n = 3 * (1 << 16) + 7 if window > 1 else 3000
     rng = np.random.default_rng(window)
@@ -337,9 +337,9 @@ def test_ctx_rans_windowed_decode_matches_whole_decode(window):
 def test_ctx_rans_refuses_a_rank_past_its_class_windowed_before_the_last_window_and_alone():
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import SectionContext
-    from pulsediff.dtypes import DTYPES
+    from pulsediff.io.dtypes import DTYPES
     from pulsediff.errors import CorruptPatchError
-    from pulsediff.memory import Scratch
+    from pulsediff.io.memory import Scratch
 
     base = np.full(4000, 0x3F80, np.uint16)  # one class: rank r is element r
     target = base.copy()
@@ -382,9 +382,9 @@ def test_ctx_rans_refuses_a_class_field_outside_the_element(dtype, name, shift, 
     """FORMAT.md 6.3: s + b <= W. Past it, a signed and an unsigned shift give different classes."""
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import SectionContext
-    from pulsediff.dtypes import DTYPES
+    from pulsediff.io.dtypes import DTYPES
     from pulsediff.errors import CorruptPatchError
-    from pulsediff.memory import Scratch
+    from pulsediff.io.memory import Scratch
 
     base = np.arange(1000, dtype=dtype)
     target = base.copy()

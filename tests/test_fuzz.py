@@ -33,8 +33,8 @@ import fuzz_cases as fc
 from ckpt_factory import folder_bytes, mutate, random_tensor, save, save_sharded
 from pulsediff import apply_patch, make_patch
 from pulsediff.errors import CorruptPatchError, InvalidCheckpointError, PulsediffError
-from pulsediff.patch import PatchHeader
-from pulsediff.safetensors_io import HeaderError, parse_header
+from pulsediff.format.header import PatchHeader
+from pulsediff.io.safetensors_header import HeaderError, parse_header
 
 # Cases per kind in CI: about a minute in all on a 2-core machine. The campaign runs 100,000.
 CI_CASES = {"gap-zstd": 400, "ctx-rans": 400, "full-zstd": 300, "header": 500, "layout": 400, "checkpoint": 300,
@@ -50,10 +50,10 @@ def corpus(tmp_path_factory):
 def one_kernel_thread(monkeypatch):
     """The tensors are tiny: worker threads only cost time on a loaded 2-core machine. Windows of
     a few dozen elements make the windowed rebuild of apply run over many windows per tensor."""
-    import pulsediff.apply
+    import pulsediff.ops.apply
 
     monkeypatch.setenv("PULSEDIFF_THREADS", "1")
-    monkeypatch.setattr(pulsediff.apply, "WINDOW_ELEMENTS", 37)
+    monkeypatch.setattr(pulsediff.ops.apply, "WINDOW_ELEMENTS", 37)
 
 
 def run_cases(kind: str, seeds, corpus, tmp_path) -> dict[str, int]:
@@ -189,7 +189,7 @@ def test_64_dimensions_apply_and_65_are_refused_by_make_first(tmp_path):
 def test_squash_refuses_a_layout_apply_would_refuse(tmp_path):
     """A layout header edited behind valid checksums (digest recomputed) was squashed into a patch that
     apply then refused: squash must check the layout as apply does."""
-    from pulsediff.squash import squash_patches
+    from pulsediff.ops.squash import squash_patches
 
     rng = np.random.default_rng(12)
     old = save({"a": random_tensor(rng, "F32", (4,))}, tmp_path / "old.safetensors")
@@ -318,7 +318,7 @@ def test_header_of_small_values_that_exceeds_memory_is_refused(tmp_path):
     child = """
 import resource, zstandard
 from pulsediff.errors import CorruptPatchError
-from pulsediff.format import _decode_header_frame
+from pulsediff.format.container import _decode_header_frame
 frame = zstandard.ZstdCompressor(level=1).compress(b"[" + b"1," * (48 << 20) + b"1]")
 vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20),) * 2)  # less than the list of 48 Mi ints needs
@@ -390,7 +390,7 @@ def test_a_tensor_kept_from_a_base_that_lacks_it_is_refused(tmp_path):
 def test_a_target_digest_that_is_not_the_entries_digest_is_refused(tmp_path):
     """A tensor's dtype changed U8 -> BOOL (layout agreeing, target digest left as it was): squash wrote the
     squashed patch, then failed `AssertionError: squashed patch does not reach the chain's target`."""
-    from pulsediff.squash import squash_patches
+    from pulsediff.ops.squash import squash_patches
 
     rng = np.random.default_rng(16)
     base = {"w": random_tensor(rng, "BF16", (64, 8)), "m": random_tensor(rng, "BOOL", (8,))}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pulsediff import apply_patch, read_patch_header
-from pulsediff.inspect import checkpoint_digest_of
+from pulsediff.ops.inspect import checkpoint_digest_of
 
 from ckpt_factory import folder_bytes
 
@@ -42,7 +42,7 @@ def test_golden_patch_applies(tmp_path, folder, patch, spec, device):
 
 
 def test_golden_covers_every_format_version_and_folder_files():
-    from pulsediff.format import FORMAT_MINOR
+    from pulsediff.format.container import FORMAT_MINOR
 
     assert (GOLDEN / f"v1.{FORMAT_MINOR}").is_dir() if FORMAT_MINOR else (GOLDEN / "v1").is_dir()
     folder_patches = [read_patch_header(folder / p) for folder, p, _ in CASES if p.startswith("exact.folder.")]

@@ -652,8 +652,8 @@ def test_add_at(cuda_k, cpu_k, dtype):
 def test_ctx_rans_round_trip_across_backends(cuda_k, cpu_k, dtype_name, make):
     from pulsediff.codecs.base import SectionContext
     from pulsediff.codecs.ctx_rans import CtxRans
-    from pulsediff.dtypes import DTYPES
-    from pulsediff.memory import Scratch
+    from pulsediff.io.dtypes import DTYPES
+    from pulsediff.io.memory import Scratch
 
     rng = np.random.default_rng(11)
     base = make(rng, 400)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from pulsediff import apply_patch, make_patch
-from pulsediff.atomic import INTENT_NAME
-from pulsediff.inspect import checkpoint_digest_of
+from pulsediff.io.atomic import INTENT_NAME
+from pulsediff.ops.inspect import checkpoint_digest_of
 
 from ckpt_factory import folder_bytes, mutate, random_tensor, save_sharded
 

@@ -1,4 +1,4 @@
-"""Patches on live tensors (pulsediff.live): state dicts in memory, interchangeable with files."""
+"""Patches on live tensors (pulsediff.ops.live): state dicts in memory, interchangeable with files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import pulsediff
 from pulsediff.errors import BaseMismatchError, TensorMismatchError
-from pulsediff.inspect import checkpoint_digest_of
+from pulsediff.ops.inspect import checkpoint_digest_of
 
 from ckpt_factory import TORCH_DTYPES, mutate, random_tensor
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import pulsediff
-from pulsediff import live
-from pulsediff.apply import open_patch
+from pulsediff.ops import live
+from pulsediff.ops.apply import open_patch
 from pulsediff.errors import BaseMismatchError, CorruptPatchError, UsageError
 
 from ckpt_factory import TORCH_DTYPES, mutate, random_tensor
@@ -60,7 +60,7 @@ def test_word_sums_in_the_patch_are_those_of_the_tensors():
 
 def test_tensor_checks_block_by_block_equal_the_references():
     """make's hash and word sum taken in cache-sized blocks: sizes around the block edge, tails."""
-    from pulsediff.digest import _CHECK_BLOCK, tensor_checks, tensor_hash
+    from pulsediff.format.digest import _CHECK_BLOCK, tensor_checks, tensor_hash
 
     rng = np.random.default_rng(13)
     for nbytes in (0, 5, 8, _CHECK_BLOCK - 3, _CHECK_BLOCK, _CHECK_BLOCK + 8, 2 * _CHECK_BLOCK + 7):

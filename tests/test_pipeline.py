@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pulsediff.series import Manifest, publish_once
+from pulsediff.format.manifest import Manifest
+from pulsediff.series.publish import publish_once
 
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 STEPS = 7

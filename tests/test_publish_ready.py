@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from ckpt_factory import save_series
-from pulsediff.atomic import TMP_SUFFIX
-from pulsediff.inspect import checkpoint_digest_of
-from pulsediff.manifest import Manifest
-from pulsediff.series import catch_up, publish, publish_once
+from pulsediff.io.atomic import TMP_SUFFIX
+from pulsediff.ops.inspect import checkpoint_digest_of
+from pulsediff.format.manifest import Manifest
+from pulsediff.series.catch_up import catch_up
+from pulsediff.series.publish import publish, publish_once
 
 STEPS = 3
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
@@ -122,7 +123,7 @@ def test_marker_rule_waits_for_the_marker(steps, tmp_path):
 def test_checkpoint_rewritten_while_read_is_not_published(steps, tmp_path, monkeypatch):
     """The second look: a checkpoint that changes while its patches are made is not published, and the
     patches made from it are not left in the folder."""
-    import pulsediff.make as make
+    import pulsediff.ops.make as make
 
     train, pub = tmp_path / "train", tmp_path / "pub"
     train.mkdir()

@@ -31,11 +31,12 @@ from ckpt_factory import save_series
 
 if not os.environ.get("CI"):  # CI installs the test extra: there a missing obstore is a failure
     pytest.importorskip("obstore")
-from pulsediff.atomic import _HOST, TMP_SUFFIX  # noqa: E402
+from pulsediff.io.atomic import _HOST, TMP_SUFFIX  # noqa: E402
 from pulsediff.errors import InvalidManifestError, PulsediffError  # noqa: E402
-from pulsediff.manifest import MANIFEST, Manifest  # noqa: E402
-from pulsediff.series import catch_up, plan_catch_up, publish_once  # noqa: E402
-from pulsediff.store import PublishConflictError, open_store  # noqa: E402
+from pulsediff.format.manifest import MANIFEST, Manifest  # noqa: E402
+from pulsediff.series.catch_up import catch_up, plan_catch_up
+from pulsediff.series.publish import publish_once  # noqa: E402
+from pulsediff.series.store import PublishConflictError, open_store  # noqa: E402
 
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 STEPS = 6
@@ -333,7 +334,7 @@ def test_happy_path_asks_for_the_manifest_and_each_planned_file_once(train, publ
 def signed(train, root, s3, tmp_path_factory) -> tuple[Path, str]:
     """The series published with publish --sign to s3://bucket/signed: (its folder, the public key)."""
     pytest.importorskip("cryptography")
-    from pulsediff.signing import keygen
+    from pulsediff.series.signing import keygen
 
     folder = tmp_path_factory.mktemp("signing")
     public = keygen(folder / "trainer.key")
@@ -348,7 +349,7 @@ def signed(train, root, s3, tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.parametrize("via", ["s3", "http"])
 @pytest.mark.parametrize("start", [None, 1])
 def test_signed_round_trip(train, signed, http, via, start, tmp_path, monkeypatch):
-    from pulsediff.signing import SIGNATURE_NAME
+    from pulsediff.series.signing import SIGNATURE_NAME
 
     folder, public = signed
     assert (folder / SIGNATURE_NAME).is_file()
@@ -368,7 +369,7 @@ def test_signed_round_trip(train, signed, http, via, start, tmp_path, monkeypatc
 @pytest.mark.parametrize("via", ["s3", "http"])
 def test_signed_series_refuses_forgeries_over_the_network(train, signed, http, via, tmp_path, monkeypatch):
     """A tampered manifest, and a consistent series someone else published there: one line, worker untouched."""
-    from pulsediff.signing import SIGNATURE_NAME, keygen
+    from pulsediff.series.signing import SIGNATURE_NAME, keygen
 
     folder, public = signed
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
@@ -640,7 +641,7 @@ def test_cached_and_partial_files_are_checked_again(train, published, http, tmp_
 
 
 def test_manifest_bound_is_enforced_while_downloading(published, http, tmp_path, monkeypatch):
-    import pulsediff.store as store
+    import pulsediff.series.store as store
 
     monkeypatch.setattr(store, "MAX_MANIFEST_BYTES", 1000)
     with pytest.raises(InvalidManifestError, match="larger than 1000 bytes"):

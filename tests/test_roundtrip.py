@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from pulsediff import apply_patch, make_patch, read_patch_header
 from pulsediff.codecs import SPARSE_CODECS
 from pulsediff.errors import OutputExistsError
-from pulsediff.inspect import checkpoint_digest_of
+from pulsediff.ops.inspect import checkpoint_digest_of
 
 from ckpt_factory import TORCH_DTYPES, folder_bytes, mutate, random_tensor, save, save_sharded
 

@@ -21,17 +21,13 @@ import numpy as np
 import pytest
 
 from ckpt_factory import mutate, random_tensor, save, save_series
-from pulsediff.atomic import TMP_SUFFIX, remove_stale_temporaries, temp_prefix
+from pulsediff.io.atomic import TMP_SUFFIX, remove_stale_temporaries, temp_prefix
 from pulsediff.errors import InvalidManifestError, PulsediffError
-from pulsediff.inspect import checkpoint_digest_of
-from pulsediff.manifest import EMPTY_DIGEST, MANIFEST, Manifest, parse_manifest
-from pulsediff.series import (
-    DEFAULT_STEP_PATTERN,
-    catch_up,
-    plan_catch_up,
-    publish_once,
-    step_in_name,
-)
+from pulsediff.ops.inspect import checkpoint_digest_of
+from pulsediff.format.manifest import EMPTY_DIGEST, MANIFEST, Manifest, parse_manifest
+from pulsediff.series.steps import DEFAULT_STEP_PATTERN, step_in_name
+from pulsediff.series.catch_up import catch_up, plan_catch_up
+from pulsediff.series.publish import publish_once
 
 STEPS = 7
 

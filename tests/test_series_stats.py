@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt_factory import save
-from pulsediff.series_stats import layer_type
+from pulsediff.series.stats import layer_type
 
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 

@@ -30,7 +30,7 @@ TENSORS = 6
 HOOK = """
 import os, sys
 from pathlib import Path
-from pulsediff import checkpoint
+from pulsediff.io import checkpoint
 victim, keep, after = Path(os.environ["VICTIM"]).resolve(), int(os.environ["KEEP"]), int(os.environ["AFTER"])
 reads = 0
 done = False
@@ -199,12 +199,12 @@ def test_truncated_from_outside_at_random_moments(big_pair, tmp_path):
             assert list(out.iterdir()) == [], err
 
 
-# -- the guard itself (pulsediff/mapped.py) -----------------------------------------------------
+# -- the guard itself (pulsediff/io/mapped.py) -----------------------------------------------------
 
 GUARD = """
 import mmap, os, sys
 import numpy as np
-from pulsediff import mapped
+from pulsediff.io import mapped
 path, watched = sys.argv[1], sys.argv[2] == "watched"
 with open(path, "wb") as f:
     f.write(b"\\1" * (1 << 20))
@@ -244,7 +244,7 @@ GUARDED_PLATFORM = sys.platform.startswith("linux") and os.uname().machine in ("
 def test_the_guard_is_installed_here():
     """A guard that silently failed to compile (an llvmlite whose LLVM reads the other pointer
     style) would leave every other test here passing by luck or not at all: say so plainly."""
-    code = "from pulsediff import mapped; print(bool(mapped._install()))"
+    code = "from pulsediff.io import mapped; print(bool(mapped._install()))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "True", proc.stderr
 
@@ -255,7 +255,7 @@ def test_the_handler_compiles_in_either_pointer_style_this_llvm_reads(pointers):
     """_parse falls back to the other style: whichever this llvmlite's LLVM reads must verify."""
     import llvmlite.binding as ll
 
-    from pulsediff import mapped
+    from pulsediff.io import mapped
 
     ll.initialize_native_target()
     ir = mapped._ir(4096, pointers == "opaque")
@@ -269,7 +269,7 @@ def test_the_handler_compiles_in_either_pointer_style_this_llvm_reads(pointers):
 
 SIGNALLED = """
 import faulthandler, os, signal, sys
-from pulsediff import mapped
+from pulsediff.io import mapped
 if sys.argv[1] == "faulthandler":
     faulthandler.enable()
 assert mapped._install()
@@ -294,7 +294,7 @@ def test_a_sigbus_sent_by_kill_still_ends_the_process_and_keeps_the_handler_befo
 def test_a_new_map_over_a_stale_slot_takes_its_place():
     """A map closed late (by the garbage collector) leaves its slot until then; a new map at an
     overlapping address means the old one is gone, so its slot is cleared, not matched first."""
-    from pulsediff import mapped
+    from pulsediff.io import mapped
 
     if not mapped._install():
         pytest.skip("no guard on this platform")
@@ -312,7 +312,7 @@ def test_a_new_map_over_a_stale_slot_takes_its_place():
 
 FORK_WHILE_HELD = """
 import os, threading
-from pulsediff import mapped
+from pulsediff.io import mapped
 mapped._install()
 held, release = threading.Event(), threading.Event()
 def hold():

@@ -15,16 +15,16 @@ import threading
 import numpy as np
 import pytest
 
-import pulsediff.apply as apply_mod
+import pulsediff.ops.apply as apply_mod
 from ckpt_factory import mutate, random_tensor, save
 from pulsediff import apply_patch, make_patch
-from pulsediff.apply import apply_chain
+from pulsediff.ops.apply import apply_chain
 from pulsediff.codecs import get_codec
 from pulsediff.codecs.base import SectionContext
-from pulsediff.dtypes import DTYPES
+from pulsediff.io.dtypes import DTYPES
 from pulsediff.errors import CorruptPatchError
 from pulsediff.kernels import cpu
-from pulsediff.memory import Scratch
+from pulsediff.io.memory import Scratch
 
 
 @pytest.fixture

@@ -22,11 +22,12 @@ pytest.importorskip("cryptography")
 
 from ckpt_factory import save_series  # noqa: E402
 from pulsediff.errors import RollbackError, SigningKeyError, UntrustedManifestError  # noqa: E402
-from pulsediff.live import catch_up_state_dict  # noqa: E402
-from pulsediff.manifest import MANIFEST, Manifest  # noqa: E402
-from pulsediff.series import catch_up, publish_once  # noqa: E402
-from pulsediff import signing  # noqa: E402
-from pulsediff.signing import SIGNATURE_NAME  # noqa: E402
+from pulsediff.series.catch_up import catch_up_state_dict  # noqa: E402
+from pulsediff.format.manifest import MANIFEST, Manifest  # noqa: E402
+from pulsediff.series.catch_up import catch_up
+from pulsediff.series.publish import publish_once  # noqa: E402
+from pulsediff.series import signing  # noqa: E402
+from pulsediff.series.signing import SIGNATURE_NAME  # noqa: E402
 
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 STEPS = 4
@@ -313,7 +314,7 @@ def test_a_pair_caught_mid_replacement_is_read_again(train, keys, tmp_path, monk
 def test_publish_signs_the_manifest_after_writing_the_signature(train, keys, tmp_path, monkeypatch):
     """Order of the two renames: signature first, so a reader never sees a new manifest under an old
     signature for longer than the gap between them."""
-    from pulsediff import store
+    from pulsediff.series import store
 
     order = []
     real_save = Manifest.save
@@ -446,11 +447,11 @@ def test_a_record_of_the_first_format_still_counts_for_its_source(tmp_path):
 
 
 def swapper(monkeypatch, pub: Path, name: str, evil: bytes, which: str):
-    """_check_file as it is, then `name` replaced by `evil` right after it passed: in the series folder
+    """check_file as it is, then `name` replaced by `evil` right after it passed: in the series folder
     (`which` == "folder"), or wherever catch-up will read it from (its private copy, when it makes one)."""
-    from pulsediff import series
+    from pulsediff.series import catch_up as series
 
-    real = series._check_file
+    real = series.check_file
     swapped = []
 
     def check(path, e, *args, **kwargs):
@@ -462,14 +463,14 @@ def swapper(monkeypatch, pub: Path, name: str, evil: bytes, which: str):
             swapped.append(target)
         return problem
 
-    monkeypatch.setattr(series, "_check_file", check)
+    monkeypatch.setattr(series, "check_file", check)
     return swapped
 
 
 @pytest.mark.parametrize("which", ["folder", "used"])
 @pytest.mark.parametrize("start", [None, 3])
 def test_a_file_swapped_after_its_check_is_never_applied(train, keys, tmp_path, monkeypatch, start, which):
-    from pulsediff.make import make_patch
+    from pulsediff.ops.make import make_patch
 
     pub = signed_series(train, tmp_path / "pub", keys["ours"][0])
     fake = tmp_path / "fake-train"
@@ -499,7 +500,7 @@ def test_a_file_swapped_after_its_check_is_never_applied(train, keys, tmp_path, 
 def test_catch_up_state_dict_never_applies_a_file_swapped_after_its_check(train, keys, tmp_path, monkeypatch, which):
     from safetensors.torch import load_file
 
-    from pulsediff.make import make_patch
+    from pulsediff.ops.make import make_patch
 
     pub = signed_series(train, tmp_path / "pub", keys["ours"][0])
     fake = tmp_path / "fake-train"
@@ -613,7 +614,7 @@ def test_another_series_signed_by_the_same_key_is_refused_where_one_is_followed(
 
 def test_a_series_id_of_another_form_makes_the_manifest_invalid():
     from pulsediff.errors import InvalidManifestError
-    from pulsediff.manifest import parse_manifest
+    from pulsediff.format.manifest import parse_manifest
 
     good = Manifest("exact", [], 3, "0123abcd").to_bytes()
     assert parse_manifest(good, "m").series == "0123abcd"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pulsediff.strict_json import JsonError, loads, nesting_depth
+from pulsediff.io.strict_json import JsonError, loads, nesting_depth
 
 # Strings full of the characters the scan must see through: brackets, quotes, backslashes.
 tricky_text = st.text(alphabet='[]{}"\\ab\u00e9', max_size=8)

@@ -7,10 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import UsageError
-from .checks import check_output, check_patch_paths
-from .options import Device, Force, Json, Quiet
-from .output import Output
+from pulsediff.errors import UsageError
+from pulsediff.cli.checks import check_output, check_patch_paths
+from pulsediff.cli.options import Device, Force, Json, Quiet
+from pulsediff.cli.output import Output
 
 
 def apply(
@@ -32,7 +32,7 @@ def apply(
     if output is not None:
         check_output(output, force=force)
     check_patch_paths(patches)
-    from ..apply import apply_chain, verify_patch_file
+    from pulsediff.ops.apply import apply_chain, verify_patch_file
 
     out = Output(quiet=quiet, as_json=as_json)
     if dry_run:  # every section's checksum too, where the patch is a file that can be read twice

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, InvalidPatchError, OutputError, OutputExistsError
+from pulsediff.errors import CheckpointNotFoundError, InvalidPatchError, OutputError, OutputExistsError
 
 
 def check_output(path: str | Path, *, force: bool) -> None:
@@ -52,7 +52,7 @@ def check_patch_paths(patches: list) -> None:
 def checkpoint_kind(path: Path) -> str | None:
     """"safetensors" or "pickle" when the file starts like a checkpoint of that kind, else None
     (unreadable included: reading it as a patch will say what is wrong)."""
-    from ..checkpoint import looks_like_pickle, looks_like_safetensors
+    from pulsediff.io.checkpoint import looks_like_pickle, looks_like_safetensors
 
     try:
         with open(path, "rb") as f:

@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from .options import Device, Quiet
-from .output import Output, human_bytes
+from pulsediff.cli.options import Device, Quiet
+from pulsediff.cli.output import Output, human_bytes
 
 
 def demo(
@@ -26,11 +26,11 @@ def demo(
     # reads the setting when it loads, so it is set before torch and Numba are
     # imported; the user's own setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from ..apply import apply_patch
-    from ..example import DEMO_RECIPE, make_example_pair
-    from ..inspect import checkpoint_digest_of
-    from ..make import make_patch
-    from ..stats import stats_of_patch_file
+    from pulsediff.ops.apply import apply_patch
+    from pulsediff.example import DEMO_RECIPE, make_example_pair
+    from pulsediff.ops.inspect import checkpoint_digest_of
+    from pulsediff.ops.make import make_patch
+    from pulsediff.ops.stats import stats_of_patch_file
 
     out = Output(quiet=quiet)
     directory.mkdir(parents=True, exist_ok=True)
@@ -49,7 +49,7 @@ def demo(
     identical = filecmp.cmp(rebuilt, new, shallow=False)
     same_digest = checkpoint_digest_of(rebuilt) == checkpoint_digest_of(new)
     if not (identical and same_digest):
-        from ..errors import PulsediffError
+        from pulsediff.errors import PulsediffError
 
         raise PulsediffError(f"demo failed: {rebuilt} differs from {new}")
     out.info(f"[4/4] {rebuilt} is byte-identical to {new} (cmp and digest agree)")

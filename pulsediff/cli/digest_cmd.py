@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .options import Json, Precision, Quiet
+from pulsediff.cli.options import Json, Precision, Quiet
 
 
 def digest(
@@ -21,8 +21,8 @@ def digest(
     It hashes the tensors' names, dtypes, shapes and bytes, not the file
     layout: a single file and the same tensors in shards have one digest.
     """
-    from ..inspect import checkpoint_digest_of
-    from .output import Output
+    from pulsediff.ops.inspect import checkpoint_digest_of
+    from pulsediff.cli.output import Output
 
     out = Output(quiet=quiet, as_json=as_json)
     value = checkpoint_digest_of(checkpoint, precision=precision, progress=out.progress())

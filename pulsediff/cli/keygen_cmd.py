@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .options import Force, Json, Quiet
+from pulsediff.cli.options import Force, Json, Quiet
 
 
 def keygen(
@@ -23,8 +23,8 @@ def keygen(
     The private key stays on the publisher (pulsediff publish --sign KEYFILE);
     workers get the public key (pulsediff catch-up --trust ed25519:...).
     """
-    from ..signing import keygen as make, load_private_key, public_key_text
-    from .output import Output
+    from pulsediff.series.signing import keygen as make, load_private_key, public_key_text
+    from pulsediff.cli.output import Output
 
     out = Output(quiet=quiet or as_json, as_json=as_json)
     key = public_key_text(load_private_key(keyfile)) if public else make(keyfile, force=force)

@@ -19,9 +19,9 @@ import sys
 
 import typer
 
-from ..errors import PulsediffError, UsageError, as_out_of_memory
-from . import apply_cmd, demo_cmd, digest_cmd, keygen_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
-from .output import restore_terminal
+from pulsediff.errors import PulsediffError, UsageError, as_out_of_memory
+from pulsediff.cli import apply_cmd, demo_cmd, digest_cmd, keygen_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
+from pulsediff.cli.output import restore_terminal
 
 try:  # typer >= 0.20 ships its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -51,7 +51,7 @@ app.command("demo")(demo_cmd.demo)
 
 def _version(value: bool) -> None:
     if value:
-        from .. import __version__
+        from pulsediff.version import __version__
 
         print(f"pulsediff {__version__}")
         raise typer.Exit()
@@ -147,7 +147,7 @@ def _flush_stdout() -> None:
 def _run(argv: list[str] | None) -> int:
     """Run the command line; return the exit code. Errors are reported here, as one line on stderr."""
     debug = os.environ.get("PULSEDIFF_DEBUG") == "1"
-    from .. import interrupt
+    from pulsediff.runtime import interrupt
 
     interrupt.install()
     try:

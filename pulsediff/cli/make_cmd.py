@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from ..errors import UsageError
-from .checks import check_output
-from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
-from .output import Output, human_bytes
+from pulsediff.errors import UsageError
+from pulsediff.cli.checks import check_output
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
+from pulsediff.cli.output import Output, human_bytes
 
 
 def make(
@@ -33,7 +33,7 @@ def make(
     if as_json and output == "-":
         raise UsageError("--json prints on stdout, which -o - uses for the patch")
     check_output(output, force=force)
-    from ..make import make_patch
+    from pulsediff.ops.make import make_patch
 
     out = Output(quiet=quiet, as_json=as_json)
     skipped: list[str] = []

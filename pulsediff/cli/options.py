@@ -14,7 +14,7 @@ Device = Annotated[
     typer.Option("--device", metavar="auto|cpu|cuda", help="Kernel backend: auto (CUDA when a GPU is usable), cpu or cuda.",
                  envvar="PULSEDIFF_DEVICE"),
 ]
-# These mirror pulsediff.codecs (DEFAULT_SPARSE_CODEC, SPARSE_CODECS) and pulsediff.checkpoint.PRECISIONS:
+# These mirror pulsediff.codecs (DEFAULT_SPARSE_CODEC, SPARSE_CODECS) and pulsediff.io.checkpoint.PRECISIONS:
 # importing those would load numba and numpy on --help. tests/test_cli.py checks they agree.
 DEFAULT_CODEC = "ctx-rans"
 CODECS = ("ctx-rans", "gap-zstd")

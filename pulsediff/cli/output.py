@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from ..progress import SILENT, Progress
+from pulsediff.runtime.progress import SILENT, Progress
 
 
 # Progress bars on the screen now. A bar hides the cursor and takes over sys.stderr until it is stopped;
@@ -48,7 +48,7 @@ class Output:
     def __init__(self, *, quiet: bool = False, as_json: bool = False):
         self.quiet = quiet
         self.as_json = as_json
-        from .. import notices
+        from pulsediff.runtime import notices
 
         notices.set_quiet(quiet)  # the library's one-line notices (a fallback, a first compile) obey -q too
         self._err = None

@@ -7,10 +7,10 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from ..errors import PulsediffError
-from .checks import check_output
-from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
-from .output import Output, plural
+from pulsediff.errors import PulsediffError
+from pulsediff.cli.checks import check_output
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
+from pulsediff.cli.output import Output, plural
 
 TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust: the record of "
                        "the newest manifest accepted per source (under any key), which an older one may not undercut. "
@@ -50,8 +50,8 @@ def publish(
     as_json: Json = False,
 ) -> None:
     """Turn a trainer's checkpoints into patches and anchors that workers can rsync or fetch from S3."""
-    from ..series import DEFAULT_STEP_PATTERN
-    from ..series import publish as run
+    from pulsediff.series.steps import DEFAULT_STEP_PATTERN
+    from pulsediff.series.publish import publish as run
 
     out = Output(quiet=quiet or as_json, as_json=as_json)
 
@@ -108,13 +108,13 @@ def catch_up(
     as_json: Json = False,
 ) -> None:
     """Bring a checkpoint to the newest published step by the cheapest intact chain."""
-    from ..series import catch_up as run
+    from pulsediff.series.catch_up import catch_up as run
 
     if output is not None and not plan and not _same_file(output, checkpoint):
         check_output(output, force=force)
     out = Output(quiet=quiet or as_json, as_json=as_json)
     if plan:
-        from ..series import plan_catch_up
+        from pulsediff.series.catch_up import plan_catch_up
 
         planned = plan_catch_up(checkpoint, patch_dir, trust=trust or None, trust_state=trust_state)
         if as_json:

@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from ..errors import UsageError
-from .checks import check_output, check_patch_paths
-from .options import DEFAULT_CODEC, Codec, Device, Force, Json, Quiet
-from .output import Output, human_bytes, plural
+from pulsediff.errors import UsageError
+from pulsediff.cli.checks import check_output, check_patch_paths
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Quiet
+from pulsediff.cli.output import Output, human_bytes, plural
 
 
 def squash(
@@ -28,7 +28,7 @@ def squash(
         raise UsageError("--json prints on stdout, which -o - uses for the patch")
     check_output(output, force=force)
     check_patch_paths(patches)
-    from ..squash import squash_patches
+    from pulsediff.ops.squash import squash_patches
 
     out = Output(quiet=quiet, as_json=as_json)
     header = squash_patches(base, patches, output, codec=codec, device=device, progress=out.progress(), force=force)

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import UsageError
-from .options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet
-from .output import Output, human_bytes
+from pulsediff.errors import UsageError
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet
+from pulsediff.cli.output import Output, human_bytes
 
 
 def stats(
@@ -27,7 +27,7 @@ def stats(
     as_json: Json = False,
 ) -> None:
     """Sparsity and size statistics of a patch, of the patch a checkpoint pair would make, or of a series."""
-    from ..stats import stats_of_pair, stats_of_patch_file
+    from pulsediff.ops.stats import stats_of_pair, stats_of_patch_file
 
     out = Output(quiet=quiet, as_json=as_json)
     if second is None and first.is_dir():
@@ -89,8 +89,8 @@ def stats(
 def _is_checkpoint_folder(folder: Path, step_pattern: Optional[str]) -> bool:
     """A folder that is one checkpoint, not a series of them: shards with their index, HF-named shards, or
     .safetensors files none of whose names carries a step number (a model folder's model.safetensors)."""
-    from ..checkpoint import INDEX_NAME
-    from ..series import DEFAULT_STEP_PATTERN, step_in_name
+    from pulsediff.io.checkpoint import INDEX_NAME
+    from pulsediff.series.steps import DEFAULT_STEP_PATTERN, step_in_name
 
     if (folder / INDEX_NAME).is_file():
         return True
@@ -109,8 +109,8 @@ _SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
 
 def _refuse_checkpoint_as_patch(path: Path) -> None:
     """A checkpoint given where a patch belongs: say so instead of "bad magic bytes"."""
-    from ..checkpoint import PICKLE_ADVICE
-    from .checks import checkpoint_kind
+    from pulsediff.io.checkpoint import PICKLE_ADVICE
+    from pulsediff.cli.checks import checkpoint_kind
 
     kind = checkpoint_kind(path)
     if kind == "safetensors":
@@ -121,21 +121,21 @@ def _refuse_checkpoint_as_patch(path: Path) -> None:
 
 def _series(folder: Path, precision: str, codec: str, device: str, plot: Optional[Path], step_pattern: Optional[str],
             out: Output) -> None:
-    from ..series import DEFAULT_STEP_PATTERN
-    from ..series_stats import series_stats
+    from pulsediff.series.steps import DEFAULT_STEP_PATTERN
+    from pulsediff.series.stats import series_stats
 
     if step_pattern is not None:
         _check_pattern(step_pattern)
     if plot is not None:  # before the work: matplotlib is there and the PNG's folder exists (a plot is replaced)
-        from ..series_stats import pyplot
-        from .checks import check_output
+        from pulsediff.series.stats import pyplot
+        from pulsediff.cli.checks import check_output
 
         pyplot()
         check_output(plot, force=True)
     s = series_stats(folder, precision=precision, codec=codec, device=device,
                      pattern=step_pattern or DEFAULT_STEP_PATTERN, progress=out.progress())
     if plot is not None:
-        from ..series_stats import plot_series
+        from pulsediff.series.stats import plot_series
 
         plot_series(s, plot)
         out.info(f"wrote {plot}")

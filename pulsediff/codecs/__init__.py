@@ -9,11 +9,11 @@ released, keeps its meaning forever; a changed encoding gets a new id.
 
 from __future__ import annotations
 
-from ..errors import UnknownCodecError
-from .base import Codec
-from .ctx_rans import CtxRans
-from .full_zstd import FullZstd
-from .gap_zstd import GapZstd
+from pulsediff.errors import UnknownCodecError
+from pulsediff.codecs.base import Codec
+from pulsediff.codecs.ctx_rans import CtxRans
+from pulsediff.codecs.full_zstd import FullZstd
+from pulsediff.codecs.gap_zstd import GapZstd
 
 REGISTRY: dict[str, Codec] = {c.id: c for c in (GapZstd(), CtxRans(), FullZstd())}
 

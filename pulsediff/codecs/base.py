@@ -10,8 +10,8 @@ from types import ModuleType
 import numpy as np
 import zstandard
 
-from ..errors import CorruptPatchError
-from ..memory import Scratch  # noqa: F401  (part of the codec contract: decode's scratch)
+from pulsediff.errors import CorruptPatchError
+from pulsediff.io.memory import Scratch  # noqa: F401  (part of the codec contract: decode's scratch)
 
 # Level 3 is zstd's default: on gaps and weight bits, higher levels gain under 2%
 # and cost several times the time.
@@ -114,7 +114,7 @@ class Codec(ABC):
 def cpu_if_none(kernels: ModuleType | None) -> ModuleType:
     """The backend a caller handed an encoder, or the CPU one (encoders called without one)."""
     if kernels is None:
-        from ..kernels import get_backend
+        from pulsediff.kernels import get_backend
 
         kernels = get_backend("cpu")
     return kernels

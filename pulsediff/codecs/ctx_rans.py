@@ -39,9 +39,9 @@ from types import ModuleType
 import numpy as np
 from numba import njit
 
-from ..errors import CorruptPatchError
-from . import entropy
-from .base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, uint_param
+from pulsediff.errors import CorruptPatchError
+from pulsediff.codecs import entropy
+from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, uint_param
 
 # (shift, bits) of the exponent field: the class of a base element.
 CLASS_FIELDS = {

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import numpy as np
 
-from .base import Codec, Encoded, Scratch, SectionContext, zstd_compress, zstd_decompress_exact
+from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, zstd_compress, zstd_decompress_exact
 
 
 class FullZstd(Codec):

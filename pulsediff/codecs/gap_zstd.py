@@ -13,8 +13,8 @@ from types import ModuleType
 
 import numpy as np
 
-from ..errors import CorruptPatchError
-from .base import Codec, Encoded, Scratch, SectionContext, parse_choice, parse_uint, uint_param, zstd_compress, zstd_decompress_exact
+from pulsediff.errors import CorruptPatchError
+from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, parse_choice, parse_uint, uint_param, zstd_compress, zstd_decompress_exact
 
 
 def gap_width(numel: int) -> int:

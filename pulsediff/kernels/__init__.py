@@ -23,81 +23,12 @@ import os
 import sys
 import threading
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
 
-from ..errors import DeviceUnavailableError, UsageError
-from ..notices import notice
-
-if TYPE_CHECKING:
-    import numpy as np
+from pulsediff.errors import DeviceUnavailableError, UsageError
+from pulsediff.runtime.notices import notice
+from pulsediff.kernels.contract import KERNELS, Backend, first_line  # noqa: F401 (re-exported: the contract's names)
 
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class Backend(Protocol):
-    """What every backend module provides (tests/test_kernels.py checks both against this list and
-    against the plain references in tests/reference.py, bit for bit)."""
-
-    def diff_compact(self, old: "np.ndarray", new: "np.ndarray") -> "tuple[np.ndarray, np.ndarray]":
-        """Ascending positions where the bit patterns differ, and the new values there."""
-
-    def scatter(self, out: "np.ndarray", positions: "np.ndarray", values: "np.ndarray") -> int:
-        """out[positions] = values; returns how many positions were out of range (then nothing is trusted)."""
-
-    def gaps_to_positions(self, gaps: "np.ndarray") -> "tuple[np.ndarray, int]":
-        """Positions from gaps (inclusive prefix sum - 1), and the count of invalid gaps."""
-
-    def chunk_class_starts(self, base: "np.ndarray", shift: int, mask: int) -> "tuple[np.ndarray, np.ndarray]":
-        """Per chunk and class, the elements of that class before the chunk; and the class sizes."""
-
-    def class_ranks(self, base: "np.ndarray", shift: int, mask: int,
-                    positions: "np.ndarray") -> "tuple[np.ndarray, np.ndarray]":
-        """Each position's rank within its base class; and the class sizes."""
-
-    def apply_ranked(self, base: "np.ndarray", shift: int, mask: int, starts: "np.ndarray",
-                     class_offsets: "np.ndarray", ranks: "np.ndarray", deltas: "np.ndarray",
-                     out: "np.ndarray") -> int:
-        """out = base with zigzag deltas added at the listed (class, rank) elements; returns how many applied."""
-
-    def diff_ranks(self, old: "np.ndarray", new: "np.ndarray", shift: int,
-                   mask: int) -> "tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]":
-        """make's compare fused with class_ranks: per changed element in position order, the
-        zigzag delta (old's dtype), base class (uint16) and rank in class (int64); class sizes."""
-
-    def class_major_order(self, classes: "np.ndarray", ncls: int) -> "np.ndarray":
-        """The stable permutation grouping indices by class."""
-
-    def side_by_side(self) -> int:
-        """How many tensors a caller may rebuild at once, each on a worker thread of its own
-        (`threads.pool()`); 0: one at a time, each spread over the backend's own parallelism."""
-
-    def resident(self, *arrays: "np.ndarray") -> tuple:
-        """The arrays where the kernels use them without a copy (uploaded once to a device)."""
-
-    def ranked_window(self, part: "np.ndarray", shift: int, mask: int, seen: "np.ndarray",
-                      class_offsets: "np.ndarray", ranks: "np.ndarray", deltas: "np.ndarray",
-                      out: "np.ndarray") -> int:
-        """apply_ranked on one window of a host tensor; `seen` holds (and gets) the class counts before it."""
-
-    # Patching live tensors in place (pulsediff.live): each reads or writes the tensor where it lives.
-    def word_sum(self, data: "np.ndarray") -> int:
-        """FORMAT.md §3.1's sum64 of the array's bytes: the base and target check of a live apply."""
-
-    def ranked_positions(self, base: "np.ndarray", shift: int, mask: int, starts: "np.ndarray",
-                         class_offsets: "np.ndarray", ranks: "np.ndarray") -> "tuple[np.ndarray, int]":
-        """apply_ranked's walk, noting where each (class, rank) entry lies (-1: not found); and how many were."""
-
-    def locate_ranked(self, base: "np.ndarray", shift: int, mask: int, class_offsets: "np.ndarray",
-                      ranks: "np.ndarray") -> "tuple[np.ndarray, int, np.ndarray]":
-        """chunk_class_starts then ranked_positions, as each backend does them best: the
-        entries' positions (-1: not found), how many were found, and the base's class sizes."""
-
-    def add_at(self, out: "np.ndarray", positions: "np.ndarray",
-               deltas: "np.ndarray") -> "tuple[np.ndarray, int]":
-        """out[positions] += un-zigzagged deltas in place; the old values (an undo log) and the out-of-range count."""
-
-
-KERNELS = tuple(name for name in vars(Backend) if not name.startswith("_"))
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -143,18 +74,18 @@ def _probe_cuda() -> "tuple[ModuleType | None, str]":
     try:
         from numba import cuda
     except Exception as exc:  # numba-cuda not installed, or broken at import
-        return None, f"numba CUDA support is not importable ({_first_line(exc)})"
+        return None, f"numba CUDA support is not importable ({first_line(exc)})"
     from numba import config
 
     try:
         if not cuda.is_available():
             return None, "numba.cuda.is_available() is False (no driver or no GPU)"
     except Exception as exc:
-        return None, _first_line(exc)
+        return None, first_line(exc)
     try:
-        from . import cuda as backend
+        from pulsediff.kernels import cuda as backend
     except Exception as exc:
-        return None, f"pulsediff's CUDA kernels do not import ({_first_line(exc)})"
+        return None, f"pulsediff's CUDA kernels do not import ({first_line(exc)})"
     if not config.ENABLE_CUDASIM:
         compile_notice(backend.__file__, "CUDA")
     try:
@@ -166,11 +97,6 @@ def _probe_cuda() -> "tuple[ModuleType | None, str]":
 
 def _transient(reason: str) -> bool:
     return "OUT_OF_MEMORY" in reason or "out of memory" in reason.lower()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{exc.__class__.__name__}: {text[0]}" if text else exc.__class__.__name__
 
 
 def compile_notice(module_file: str, what: str) -> None:
@@ -218,7 +144,7 @@ def cpu_backend() -> ModuleType:
     if not _cpu_announced:
         _cpu_announced = True
         compile_notice(os.path.join(os.path.dirname(__file__), "cpu.py"), "CPU")
-    from . import cpu
+    from pulsediff.kernels import cpu
 
     return cpu
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .threads import num_threads, parallel_map
+from pulsediff.kernels.threads import num_threads, parallel_map
 
 # A tensor is cut into at least this many ranges per thread (so a thread the OS
 # slows down simply takes fewer of them), each at least _MIN_CHUNK elements

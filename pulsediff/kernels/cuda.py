@@ -150,7 +150,8 @@ import warnings
 import numpy as np
 from numba import cuda, int32, int64, uint64
 
-from ..errors import DeviceUnavailableError
+from pulsediff.errors import DeviceUnavailableError
+from pulsediff.kernels.contract import KERNELS, first_line
 
 # Module-level so tests can shrink them and make tiny inputs cross tile and
 # block boundaries. Read at every call.
@@ -1099,7 +1100,7 @@ def locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
     when the base is there; sizes come back to the host (a few KiB)."""
     _check_class_field(shift, mask)
     if _sort_on_gpu(base):
-        from . import class_sort
+        from pulsediff.kernels import class_sort
 
         ranks_t = _torch_of(ranks) if is_device_array(ranks) else ranks
         offsets = _device_view(class_offsets).copy_to_host() if is_device_array(class_offsets) else class_offsets
@@ -1169,7 +1170,7 @@ def _diff_ranks_sorted(old, new, shift: int, mask: int):
     the base's class keys per window); results on the device, in diff_ranks' dtypes."""
     import torch
 
-    from . import class_sort
+    from pulsediff.kernels import class_sort
 
     o = _torch_of(old)
     zigzag, classes, ranks, sizes = class_sort.diff_ranks(o, _torch_of(new), shift, mask)
@@ -1253,7 +1254,7 @@ def ranked_window(part, shift: int, mask: int, seen, class_offsets, ranks, delta
 # --- word sums and in-place updates: patching live tensors -----------------------------
 
 # FORMAT.md §3.1's sum64, with kernels.cpu's constants (one definition of the format).
-from .cpu import WORD_SUM_M1, WORD_SUM_M2, WORD_SUM_PHI  # noqa: E402
+from pulsediff.kernels.cpu import WORD_SUM_M1, WORD_SUM_M2, WORD_SUM_PHI  # noqa: E402
 
 _PHI = np.uint64(WORD_SUM_PHI)
 _M1 = np.uint64(WORD_SUM_M1)
@@ -1307,7 +1308,7 @@ def word_sum(data) -> int:
         # if any, is summed on the host from its few bytes.
         total = word_sum(d[:full * per_word].view(np.uint64))
         if full < nwords:
-            from .cpu import word_term
+            from pulsediff.kernels.cpu import word_term
 
             total += word_term(d[full * per_word:].copy_to_host().view(np.uint8), full)
         return total & 0xFFFFFFFFFFFFFFFF
@@ -1372,7 +1373,7 @@ def add_at(out, positions, deltas):
 
 
 # Not on the device: the counting sort of the changed elements' classes (small, make side).
-from .cpu import class_major_order  # noqa: E402
+from pulsediff.kernels.cpu import class_major_order  # noqa: E402
 
 __all__ = ["diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks", "apply_ranked",
            "diff_ranks", "class_major_order", "word_sum", "ranked_positions", "add_at", "resident", "ranked_window",
@@ -1386,7 +1387,7 @@ def probe() -> None:
     """Compile (or load from the disk cache) one kernel, launch it and check its result: a stack
     that imports but cannot compile or launch fails here, as DeviceUnavailableError."""
     data = np.arange(1, 1000, dtype=np.uint16)
-    from .cpu import word_sum as cpu_word_sum
+    from pulsediff.kernels.cpu import word_sum as cpu_word_sum
 
     if word_sum(data) != cpu_word_sum(data):
         raise DeviceUnavailableError("a test kernel gave a wrong result")
@@ -1456,17 +1457,13 @@ def _guarded(fn):
             except Exception as exc:
                 if isinstance(exc, DeviceUnavailableError) or not _from_cuda_stack(exc):
                     raise
-                from . import _first_line
-
-                raise DeviceUnavailableError(_first_line(exc)) from exc
+                raise DeviceUnavailableError(first_line(exc)) from exc
 
     call.__wrapped_kernel__ = fn
     return call
 
 
 def _guard_entry_points() -> None:
-    from . import KERNELS
-
     for name in KERNELS + ("device_bits", "probe"):
         globals()[name] = _guarded(globals()[name])
 

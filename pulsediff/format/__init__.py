@@ -1,0 +1,3 @@
+"""What pulsediff writes, as docs/FORMAT.md specifies it: the patch container (container), its
+validated header (header), checkpoint and tensor digests (digest), and a series' manifest
+(manifest). Bytes in, checked records out; no operation lives here."""

@@ -1,0 +1,187 @@
+"""The patch file format, version 1 (normative text: docs/FORMAT.md).
+
+    preamble   32 bytes  magic, version, flags, header length, header checksum
+    header     zstd frame holding UTF-8 JSON: digests, mode, layout, one entry per tensor
+    sections   back to back, in header order; each has its own offset, length and checksum
+
+Everything read from a patch is bounded and checked here before use: the
+reader never allocates more than the header's validated sizes allow, and
+every section's checksum is verified before its bytes are decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import xxhash
+import zstandard
+
+from pulsediff.io import strict_json
+from pulsediff.io.safetensors_header import MAX_NAME_BYTES, MAX_NDIM  # noqa: F401 (a patch's limits too)
+from pulsediff.errors import (
+    CorruptPatchError,
+    NotAPatchError,
+    PatchReadError,
+    TruncatedPatchError,
+    UnsupportedVersionError,
+)
+
+MAGIC = b"PULSEDIF"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 2
+PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, major, minor, flags, header length, checksum
+# The checksum is XXH3-64 of the first 24 preamble bytes followed by the header
+# frame, so that no byte before the sections goes unchecked.
+PREAMBLE_SIZE = PREAMBLE.size  # 32
+MAX_HEADER_BYTES = 256 * 1024 * 1024  # compressed and decompressed alike
+MAX_TENSORS = 1_000_000
+MAX_SECTION_BYTES = 2**48  # 256 TiB: a sanity bound, far above any checkpoint
+# Arrays and objects in the header JSON: 4 per tensor entry (entry, shape, section, params) and 2 per
+# folder file (1.1), doubled for fields a later minor version may add. Counted before parsing: each
+# costs ~20x its two bytes once parsed, so a header frame of a few KB holding 240 MiB of `[],` took
+# 110 s and 6.6 GB to be refused.
+MAX_HEADER_CONTAINERS = 2 * (4 * MAX_TENSORS + 2 * 10_000 + 64)
+
+
+def section_checksum(data) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def encode_header(header: dict) -> bytes:
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
+
+
+def _header_checksum(preamble_fields: bytes, header_frame: bytes) -> int:
+    h = xxhash.xxh3_64(preamble_fields)
+    h.update(header_frame)
+    return h.intdigest()
+
+
+def encode_preamble(header_frame: bytes) -> bytes:
+    fields = PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header_frame), 0)[:24]
+    return fields + struct.pack("<Q", _header_checksum(fields, header_frame))
+
+
+@dataclass(frozen=True)
+class SectionRef:
+    """Where a section lies (offset from the end of the header) and how to check it."""
+
+    offset: int
+    length: int
+    checksum: str
+    codec: str
+    params: dict
+
+    def to_json(self) -> dict:
+        return {"offset": self.offset, "length": self.length, "xxh3": self.checksum, "codec": self.codec, "params": self.params}
+
+
+class PatchReader:
+    """Reads a patch from a byte stream: header first, then sections in order.
+
+    Works on pipes (stdin) as well as files; on a seekable file `read_section`
+    also gives random access to one tensor without decoding the rest.
+    """
+
+    def __init__(self, stream: BinaryIO, source: str):
+        self.stream = stream
+        self.source = source
+        self._pos = 0
+        pre = self._read_exact(PREAMBLE_SIZE, "preamble")
+        magic, major, minor, flags, header_len, header_sum = PREAMBLE.unpack(pre)
+        if magic != MAGIC:
+            raise NotAPatchError(source)
+        if major != FORMAT_MAJOR:
+            raise UnsupportedVersionError(major, minor, FORMAT_MAJOR)
+        if flags != 0:
+            raise CorruptPatchError(source, f"reserved flags are set ({flags:#x})")
+        if header_len > MAX_HEADER_BYTES:
+            raise CorruptPatchError(source, f"header length {header_len} exceeds the limit")
+        frame = self._read_exact(header_len, "header")
+        if _header_checksum(pre[:24], frame) != header_sum:
+            raise CorruptPatchError(source, "header checksum mismatch")
+        self.version = (major, minor)
+        self.header_bytes = PREAMBLE_SIZE + header_len
+        self.header = _decode_header_frame(frame, source)
+        self.sections_start = self._pos
+
+    def _failed(self, exc: OSError) -> PatchReadError:
+        return PatchReadError(self.source, exc.strerror or str(exc))
+
+    def _read_exact(self, n: int, what: str) -> bytes:
+        chunks, left = [], n
+        while left:
+            try:
+                chunk = self.stream.read(min(left, 1 << 24))
+            except OSError as exc:
+                raise self._failed(exc) from None
+            if not chunk:
+                raise TruncatedPatchError(self.source, f"ends inside the {what}")
+            chunks.append(chunk)
+            left -= len(chunk)
+        self._pos += n
+        return b"".join(chunks)
+
+    def read_next(self, ref: SectionRef, what: str) -> bytes:
+        """The next section in stream order, checksum verified."""
+        expected_pos = self.sections_start + ref.offset
+        if self._pos != expected_pos:
+            raise CorruptPatchError(self.source, f"{what}: section is not where the header puts it")
+        data = self._read_exact(ref.length, what)
+        if section_checksum(data) != ref.checksum:
+            raise CorruptPatchError(self.source, f"{what}: section checksum mismatch")
+        return data
+
+    def read_section(self, ref: SectionRef, what: str) -> bytes:
+        """Random access (seekable files only)."""
+        try:
+            self.stream.seek(self.sections_start + ref.offset)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        self._pos = self.sections_start + ref.offset
+        return self.read_next(ref, what)
+
+    def check_size(self, sections_length: int) -> None:
+        """For random access: the file must end right after the last section."""
+        import os
+
+        try:
+            size = os.fstat(self.stream.fileno()).st_size
+        except OSError as exc:
+            raise self._failed(exc) from None
+        if size < self.sections_start + sections_length:
+            raise TruncatedPatchError(self.source, "ends before its last section")
+        if size > self.sections_start + sections_length:
+            raise CorruptPatchError(self.source, "unexpected bytes after the last section")
+
+    def expect_end(self, sections_length: int) -> None:
+        """The stream must end right after the last section: trailing bytes mean damage."""
+        if self._pos != self.sections_start + sections_length:
+            raise CorruptPatchError(self.source, "sections do not end where the header says")
+        try:
+            more = self.stream.read(1)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        if more:
+            raise CorruptPatchError(self.source, "unexpected bytes after the last section")
+
+
+def _decode_header_frame(frame: bytes, source: str) -> dict:
+    try:
+        size = zstandard.frame_content_size(frame)
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise CorruptPatchError(source, "header declares an invalid size")
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+        header = strict_json.loads(raw, max_containers=MAX_HEADER_CONTAINERS)
+    except zstandard.ZstdError:
+        raise CorruptPatchError(source, "header does not decode") from None
+    except strict_json.JsonError as exc:
+        raise CorruptPatchError(source, f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptPatchError(source, "header is not a JSON object")
+    return header
+

@@ -1,0 +1,356 @@
+"""The patch header as Python objects, and its strict validation.
+
+`PatchHeader.from_json` is the only way a header read from a file becomes an
+object: every field's type and every bound is checked there, so the rest of
+the code can trust it. `to_json` is its exact inverse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
+from pulsediff.codecs import get_codec
+from pulsediff.format.digest import TensorId, checkpoint_digest, is_digest, is_tensor_hash, is_word_sum
+from pulsediff.io.dtypes import DType, lookup
+from pulsediff.errors import CorruptPatchError
+from pulsediff.io.folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
+from pulsediff.format.container import MAX_NAME_BYTES, MAX_NDIM, MAX_SECTION_BYTES, MAX_TENSORS, SectionRef
+
+OPS = ("same", "patch", "full")  # copy the base tensor / decode against it / carried whole
+LAYOUT_KINDS = ("file", "dir")
+LAYOUT_CODEC = "zstd"  # the layout blob is one zstd frame of `Layout.blob_len` bytes
+FILE_CODEC = "zstd"  # a folder file carried whole: one zstd frame of its bytes
+FILE_OPS = ("same", "full")  # the base folder's file as it is / carried whole
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    op: str
+    changed: int  # elements that differ from the base (all of them for a tensor with no base)
+    target_hash: str
+    base_hash: str | None = None  # for "same" and "patch"
+    section: SectionRef | None = None  # for "patch" and "full"
+    # Format 1.2 (§3.1): word sums, the check a live apply can afford on a GPU. None in older patches.
+    target_sum: str | None = None
+    base_sum: str | None = None  # with base_hash
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "dtype": self.dtype.name, "shape": list(self.shape), "op": self.op,
+               "changed": self.changed, "target_hash": self.target_hash}
+        if self.base_hash is not None:
+            out["base_hash"] = self.base_hash
+        if self.target_sum is not None:
+            out["target_sum"] = self.target_sum
+        if self.base_sum is not None:
+            out["base_sum"] = self.base_sum
+        if self.section is not None:
+            out["section"] = self.section.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class LayoutFile:
+    name: str  # shard file name; "" for a single-file checkpoint
+    header_len: int  # bytes of its safetensors header inside the layout blob
+    tensors: int  # how many consecutive entries of `tensors` live in this file
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str
+    files: tuple[LayoutFile, ...]
+    index_len: int | None  # bytes of model.safetensors.index.json in the blob, if any
+    section: SectionRef
+    digest: str | None = None  # XXH3-128 hex of the blob (format 1.1; None in 1.0 patches)
+
+    @property
+    def blob_len(self) -> int:
+        return sum(f.header_len for f in self.files) + (self.index_len or 0)
+
+    def to_json(self) -> dict:
+        out = {
+            "kind": self.kind,
+            "files": [{"name": f.name, "header_len": f.header_len, "tensors": f.tensors} for f in self.files],
+            "index_len": self.index_len,
+            "section": self.section.to_json(),
+        }
+        if self.digest is not None:
+            out["digest"] = self.digest
+        return out
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A target folder's file other than shards and index (config, tokenizer, ...), format 1.1."""
+
+    name: str
+    size: int
+    hash: str  # XXH3-128 hex of its bytes
+    op: str  # "same": the base folder's file; "full": carried whole in `section`
+    section: SectionRef | None = None
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "bytes": self.size, "hash": self.hash, "op": self.op}
+        if self.section is not None:
+            out["section"] = self.section.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class PatchHeader:
+    tool: str
+    precision: str
+    base_digest: str
+    target_digest: str
+    base_tensors: int
+    target_bytes: int  # size of the rebuilt checkpoint's files, headers included
+    layout: Layout
+    tensors: tuple[TensorRecord, ...]
+    removed: tuple[str, ...] = field(default=())
+    files: tuple[FileRecord, ...] = field(default=())  # format 1.1: the folder's other files
+    removed_files: tuple[str, ...] = field(default=())  # format 1.1: base folder files the target lacks
+
+    @property
+    def sections_length(self) -> int:
+        refs = self.section_refs()
+        return refs[-1].offset + refs[-1].length
+
+    def section_refs(self) -> list[SectionRef]:
+        return ([self.layout.section] + [t.section for t in self.tensors if t.section is not None]
+                + [f.section for f in self.files if f.section is not None])
+
+    def to_json(self) -> dict:
+        out = {
+            "tool": self.tool,
+            "precision": self.precision,
+            "base": {"digest": self.base_digest, "tensors": self.base_tensors},
+            "target": {"digest": self.target_digest, "bytes": self.target_bytes},
+            "layout": self.layout.to_json(),
+            "tensors": [t.to_json() for t in self.tensors],
+            "removed": list(self.removed),
+        }
+        if self.files or self.removed_files:
+            out["files"] = [f.to_json() for f in self.files]
+            out["removed_files"] = list(self.removed_files)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict, source: str) -> "PatchHeader":
+        return _Parser(source).header(obj)
+
+
+class _Parser:
+    """Field-by-field checks; every failure names what was wrong."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, what: str) -> CorruptPatchError:
+        return CorruptPatchError(self.source, f"header field {what}")
+
+    def get(self, obj: object, key: str, kind: type | tuple, where: str):
+        if not isinstance(obj, dict) or key not in obj:
+            raise self.fail(f"{where}.{key} is missing")
+        value = obj[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise self.fail(f"{where}.{key} has the wrong type")
+        return value
+
+    def uint(self, obj, key, where, upper=MAX_SECTION_BYTES) -> int:
+        value = self.get(obj, key, int, where)
+        if not 0 <= value <= upper:
+            raise self.fail(f"{where}.{key} is out of range")
+        return value
+
+    def section(self, obj, where: str) -> SectionRef:
+        sec = self.get(obj, "section", dict, where)
+        checksum = self.get(sec, "xxh3", str, where + ".section")
+        if len(checksum) != 16 or not all(c in "0123456789abcdef" for c in checksum):
+            raise self.fail(f"{where}.section.xxh3 is not a checksum")
+        codec = self.get(sec, "codec", str, where + ".section")
+        params = self.get(sec, "params", dict, where + ".section")
+        return SectionRef(self.uint(sec, "offset", where), self.uint(sec, "length", where), checksum, codec, params)
+
+    def header(self, obj: dict) -> PatchHeader:
+        tool = self.get(obj, "tool", str, "")
+        precision = self.get(obj, "precision", str, "")
+        if precision not in PRECISIONS:
+            raise self.fail(f"precision {precision!r} is unknown")
+        base = self.get(obj, "base", dict, "")
+        target = self.get(obj, "target", dict, "")
+        base_digest = self.get(base, "digest", str, "base")
+        target_digest = self.get(target, "digest", str, "target")
+        if not (is_digest(base_digest) and is_digest(target_digest)):
+            raise self.fail("digest is malformed")
+        tensors = tuple(self.tensor(t, i) for i, t in enumerate(self.list(obj, "tensors", MAX_TENSORS)))
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            raise self.fail("tensors names a tensor twice")
+        if len({t.target_sum is None for t in tensors}) > 1:  # 1.2: every tensor or none (§3.1)
+            raise self.fail("tensors carry word sums for some tensors only")
+        # The target digest is the digest of these entries (§3): one that is not names another checkpoint
+        # than the entries rebuild (squash wrote such a patch, then failed an assertion).
+        if checkpoint_digest(TensorId(t.name, t.dtype.name, t.shape, t.target_hash) for t in tensors) != target_digest:
+            raise self.fail("target.digest is not the digest of the tensor entries")
+        removed = tuple(self.name(n, "removed") for n in self.list(obj, "removed", MAX_TENSORS))
+        layout = self.layout(self.get(obj, "layout", dict, ""), len(tensors))
+        files, removed_files = self.folder_files(obj, layout)
+        header = PatchHeader(
+            tool=tool, precision=precision, base_digest=base_digest, target_digest=target_digest,
+            base_tensors=self.uint(base, "tensors", "base", MAX_TENSORS),
+            target_bytes=self.uint(target, "bytes", "target"),
+            layout=layout, tensors=tensors, removed=removed, files=files, removed_files=removed_files,
+        )
+        # target.bytes is what apply will write: a size that disagrees would mislead every reader
+        # that plans by it (stats, catch-up's costs).
+        written = (sum(8 + f.header_len for f in layout.files) + sum(t.nbytes for t in tensors)
+                   + (layout.index_len or 0) + sum(f.size for f in files))
+        if header.target_bytes != written:
+            raise self.fail("target.bytes contradicts the layout and tensors")
+        # Sections lie back to back in header order: no holes, no overlaps.
+        expected = 0
+        for ref in header.section_refs():
+            if ref.offset != expected:
+                raise self.fail("sections are not contiguous")
+            expected += ref.length
+        return header
+
+    def list(self, obj, key, upper) -> list:
+        value = self.get(obj, key, list, "")
+        if len(value) > upper:
+            raise self.fail(f"{key} is too long")
+        return value
+
+    def name(self, value, where) -> str:
+        if not isinstance(value, str) or not value or len(value.encode("utf-8")) > MAX_NAME_BYTES:
+            raise self.fail(f"{where} has an invalid tensor name")
+        return value
+
+    def tensor(self, obj, i: int) -> TensorRecord:
+        where = f"tensors[{i}]"
+        name = self.name(self.get(obj, "name", str, where), where)
+        dtype = lookup(self.get(obj, "dtype", str, where))
+        if dtype is None:
+            raise self.fail(f"{where}.dtype is unknown")
+        shape = self.get(obj, "shape", list, where)
+        if len(shape) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
+            raise self.fail(f"{where}.shape is invalid")
+        if math.prod(shape) * dtype.itemsize > MAX_SECTION_BYTES:
+            raise self.fail(f"{where}.shape is implausibly large")
+        op = self.get(obj, "op", str, where)
+        if op not in OPS:
+            raise self.fail(f"{where}.op {op!r} is unknown")
+        changed = self.uint(obj, "changed", where, math.prod(shape))
+        if (op == "same" and changed != 0) or (op == "patch" and changed == 0):
+            raise self.fail(f"{where}.changed contradicts its op")
+        target_hash = self.get(obj, "target_hash", str, where)
+        base_hash = obj.get("base_hash")
+        if not is_tensor_hash(target_hash) or (op != "full" and not is_tensor_hash(base_hash)):
+            raise self.fail(f"{where} has a malformed tensor hash")
+        target_sum, base_sum = self.word_sums(obj, where, op)
+        section = self.section(obj, where) if op != "same" else None
+        if section is not None:
+            codec = get_codec(section.codec)
+            if op == "patch" and not codec.needs_base:
+                raise self.fail(f"{where}: codec {section.codec!r} cannot patch")
+            if op == "full" and codec.needs_base:  # it would be decoded with no base to decode against
+                raise self.fail(f"{where}: codec {section.codec!r} cannot carry a whole tensor")
+            if codec.changed_count(section.params) not in (None, changed):
+                raise self.fail(f"{where}: the codec's count contradicts changed")
+            if not 0 <= codec.index_bytes(section.params) <= section.length:
+                raise self.fail(f"{where}: the codec's index size is invalid")
+        return TensorRecord(name, dtype, tuple(shape), op, changed, target_hash, base_hash if op != "full" else None,
+                            section, target_sum, base_sum)
+
+    def word_sums(self, obj: dict, where: str, op: str) -> tuple[str | None, str | None]:
+        """Format 1.2's target_sum and base_sum (§3.1): both or neither; no base_sum for a tensor
+        carried whole; a `same` tensor's two sums are one."""
+        target_sum, base_sum = obj.get("target_sum"), obj.get("base_sum")
+        if target_sum is None and base_sum is None:
+            return None, None
+        if not is_word_sum(target_sum) or (op == "full") != (base_sum is None) or \
+                (base_sum is not None and not is_word_sum(base_sum)):
+            raise self.fail(f"{where} has malformed or missing word sums")
+        if op == "same" and base_sum != target_sum:
+            raise self.fail(f"{where}: a tensor kept the same has two word sums")
+        return target_sum, base_sum
+
+    def layout(self, obj, n_tensors: int) -> Layout:
+        kind = self.get(obj, "kind", str, "layout")
+        if kind not in LAYOUT_KINDS:
+            raise self.fail(f"layout.kind {kind!r} is unknown")
+        files = []
+        for i, f in enumerate(self.get(obj, "files", list, "layout")):
+            where = f"layout.files[{i}]"
+            name = self.get(f, "name", str, where)
+            if (kind == "file") != (name == "") or (name and not (is_plain_filename(name) and name.endswith(".safetensors"))):
+                raise self.fail(f"{where}.name {name!r} is not allowed")
+            files.append(LayoutFile(name, self.uint(f, "header_len", where, 100_000_000), self.uint(f, "tensors", where, MAX_TENSORS)))
+        if kind == "file" and len(files) != 1:
+            raise self.fail("layout of a single-file checkpoint must list one file")
+        if len({f.name for f in files}) != len(files):
+            raise self.fail("layout names a file twice")
+        if sum(f.tensors for f in files) != n_tensors:
+            raise self.fail("layout does not account for every tensor")
+        index_len = obj.get("index_len")
+        if index_len is not None:
+            index_len = self.uint(obj, "index_len", "layout", 64 * 1024 * 1024)
+            if kind != "dir":
+                raise self.fail("layout.index_len is only allowed for a folder")
+        section = self.section(obj, "layout")
+        if section.codec != LAYOUT_CODEC:
+            raise self.fail(f"layout.section.codec must be {LAYOUT_CODEC!r}")
+        digest = obj.get("digest")
+        if digest is not None and not is_tensor_hash(digest):
+            raise self.fail("layout.digest is not a hash")
+        return Layout(kind, tuple(files), index_len, section, digest)
+
+    def folder_files(self, obj: dict, layout: Layout) -> tuple[tuple[FileRecord, ...], tuple[str, ...]]:
+        """Format 1.1's `files` and `removed_files`: absent in 1.0 patches, only for folders."""
+        if "files" not in obj and "removed_files" not in obj:
+            return (), ()
+        if layout.kind != "dir":
+            raise self.fail("files is only allowed for a folder")
+        taken = {f.name for f in layout.files}
+        records = []
+        for i, f in enumerate(self.list(obj, "files", MAX_FILES)):
+            where = f"files[{i}]"
+            name = self.get(f, "name", str, where)
+            if not is_carried_name(name) or name in taken:
+                raise self.fail(f"{where}.name {name!r} is not allowed")
+            taken.add(name)
+            size = self.uint(f, "bytes", where, MAX_FILE_BYTES)
+            digest = self.get(f, "hash", str, where)
+            if not is_tensor_hash(digest):
+                raise self.fail(f"{where}.hash is not a hash")
+            op = self.get(f, "op", str, where)
+            if op not in FILE_OPS:
+                raise self.fail(f"{where}.op {op!r} is unknown")
+            section = None
+            if op == "full":
+                section = self.section(f, where)
+                if section.codec != FILE_CODEC:
+                    raise self.fail(f"{where}.section.codec must be {FILE_CODEC!r}")
+            elif "section" in f:
+                raise self.fail(f"{where} has a section but op 'same'")
+            records.append(FileRecord(name, size, digest, op, section))
+        removed = []
+        for name in self.list(obj, "removed_files", MAX_FILES):
+            if not isinstance(name, str) or not is_carried_name(name) or name in taken:
+                raise self.fail(f"removed_files names {name!r}, which is not allowed")
+            taken.add(name)
+            removed.append(name)
+        return tuple(records), tuple(removed)

@@ -1,0 +1,362 @@
+"""Checkpoints on disk: one `.safetensors` file, or a folder of shards.
+
+A `Checkpoint` memory-maps its files and hands out one tensor's bits at a
+time, so that nothing ever holds a whole checkpoint in memory. Each mapping
+is guarded (pulsediff/io/mapped.py): a file that shrinks while it is read
+gives zeros instead of SIGBUS, and `close()` (the end of a `with` block)
+then raises `CheckpointChangedError` naming it, as does an output's commit. A folder is
+read through its Hugging Face `model.safetensors.index.json` when it has one,
+else every `*.safetensors` file in it is a shard.
+
+`TensorView` is how the rest of pulsediff sees a checkpoint under a precision
+mode: in exact mode every tensor as stored; in bf16 mode floating tensors cast
+to BF16 with round-to-nearest-even (by torch, so it is exactly
+`tensor.to(torch.bfloat16)`).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pulsediff.io import mapped, strict_json
+from pulsediff.io.atomic import finish_interrupted
+from pulsediff.io.dtypes import BF16, DType
+from pulsediff.errors import CheckpointNotFoundError, InvalidCheckpointError
+from pulsediff.io.memory import populate_read, unmap_pages
+from pulsediff.io.safetensors_header import MAX_HEADER_BYTES, HeaderError, ParsedHeader, TensorEntry, parse_header, read_header_length
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+
+PRECISIONS = ("exact", "bf16")
+
+
+# torch.save writes a zip archive (since PyTorch 1.6) or, before that, a bare pickle
+# (protocol 2 and up start with 0x80 then the protocol number).
+_ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_ADVICE = (
+    "it is a PyTorch pickle checkpoint (torch.save, .bin/.pt), which pulsediff does not load because "
+    "unpickling can run code; where you trust the file, convert it: "
+    "safetensors.torch.save_file(torch.load(PATH, weights_only=True), 'model.safetensors')"
+)
+
+# A patch given where a checkpoint belongs (its magic would otherwise read as a header length of 5e18):
+# a patch's first bytes are format/container.py's MAGIC, a layer above this one; a test pins the two equal.
+PATCH_MAGIC = b"PULSEDIF"
+PATCH_ADVICE = ("it is a pulsediff patch, not a checkpoint; apply it to its base (pulsediff apply BASE {path} -o OUT) "
+                "or look inside (pulsediff stats {path})")
+
+
+def looks_like_pickle(prefix: bytes) -> bool:
+    """True for the first bytes of a torch.save file. Never unpickles anything.
+
+    A safetensors file's first 8 bytes are its header length, which may
+    happen to begin with the same bytes, but its 9th byte is always the
+    header's opening brace.
+    """
+    if prefix[8:9] == b"{":
+        return False
+    return prefix.startswith(_ZIP_MAGIC) or (len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5)
+
+
+def looks_like_safetensors(prefix: bytes) -> bool:
+    """True for the first 9 bytes of a safetensors file (header length in bounds, then a JSON object)."""
+    return len(prefix) >= 9 and prefix[8:9] == b"{" and 2 <= int.from_bytes(prefix[:8], "little") <= MAX_HEADER_BYTES
+
+
+def is_plain_filename(name: str) -> bool:
+    """A name that stays inside its folder: no separators, no '..', no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
+
+
+def unreadable(path: Path) -> str | None:
+    """Why `path`, which must be a checkpoint file (a shard, the index), is not a regular file that
+    can be opened, or None. "missing" when there is nothing there at all."""
+    try:
+        st = path.stat()  # links followed, as in a Hugging Face cache snapshot
+    except FileNotFoundError:
+        return "a dangling symbolic link" if path.is_symlink() else "missing"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        return exc.strerror or str(exc)
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder, not a file"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file (a pipe, socket or device)"
+    return None
+
+
+@dataclass
+class ShardFile:
+    name: str  # file name inside the checkpoint folder ("" for a single-file checkpoint)
+    path: Path
+    header: ParsedHeader
+    _map: mmap.mmap | None
+    _guard: int | None = None  # its slot in pulsediff.io.mapped while the map is open
+
+    def tensor_bytes(self, entry: TensorEntry) -> np.ndarray:
+        """Zero-copy uint8 view of one tensor's bytes."""
+        if entry.nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        start = self.header.data_start + entry.begin
+        populate_read(self._map, start, entry.nbytes)
+        return np.frombuffer(self._map, dtype=np.uint8, count=entry.nbytes, offset=start)
+
+
+class Checkpoint:
+    """A safetensors checkpoint opened read-only."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.shards: list[ShardFile] = []
+        self.index_bytes: bytes | None = None
+        self._where: dict[str, tuple[ShardFile, TensorEntry]] = {}
+        if not self.path.exists():
+            raise CheckpointNotFoundError(str(self.path))
+        try:
+            if self.path.is_dir():
+                self.kind = "dir"
+                self._open_dir()
+            else:
+                self.kind = "file"
+                self._add_shard("", self.path)
+        except OSError as exc:
+            self.close()
+            raise InvalidCheckpointError(str(self.path), exc.strerror or str(exc)) from None
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ------------------------------------------------------------
+
+    def _open_dir(self) -> None:
+        # An in-place update that a kill interrupted between two renames is finished first:
+        # until then the folder mixes old and new files.
+        finish_interrupted(self.path)
+        index_path = self.path / INDEX_NAME
+        if os.path.lexists(index_path):  # whatever it is: an index that cannot be read is not ignored
+            problem = unreadable(index_path)
+            if problem is not None:
+                raise InvalidCheckpointError(str(index_path), problem)
+            if index_path.stat().st_size > MAX_INDEX_BYTES:
+                raise InvalidCheckpointError(str(index_path), "index file is implausibly large")
+            self.index_bytes = index_path.read_bytes()
+            try:
+                index = strict_json.loads(self.index_bytes)
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                raise InvalidCheckpointError(str(index_path), "not a valid index (no weight_map object)") from None
+            names = sorted(set(weight_map.values()))
+            if not all(is_plain_filename(n) for n in names):
+                raise InvalidCheckpointError(str(index_path), "weight_map names a file outside the folder")
+            for n in names:
+                problem = unreadable(self.path / n)
+                if problem == "missing":
+                    raise InvalidCheckpointError(str(index_path), f"shard {n} is missing")
+                if problem is not None:
+                    raise InvalidCheckpointError(str(self.path / n), problem)
+                self._add_shard(n, self.path / n)
+            listed = {k: v for k, v in weight_map.items()}
+            actual = {name: shard.name for name, (shard, _) in self._where.items()}
+            if listed != actual:
+                raise InvalidCheckpointError(str(index_path), "weight_map does not match the shards' contents")
+        else:
+            # Every *.safetensors entry is a shard: one that cannot be read (a dangling link, a link
+            # loop, a FIFO, a folder) is refused, not skipped, or digest and stats would quietly
+            # cover fewer tensors than the folder has.
+            names = sorted(p.name for p in self.path.iterdir() if p.suffix == ".safetensors")
+            for n in names:
+                problem = unreadable(self.path / n)
+                if problem is not None:
+                    raise InvalidCheckpointError(str(self.path / n), problem)
+            if not names:
+                pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+                if pickles:
+                    raise InvalidCheckpointError(str(self.path), f"folder holds {pickles[0]}: " + PICKLE_ADVICE)
+                raise InvalidCheckpointError(str(self.path), f"folder has no {INDEX_NAME} and no .safetensors files")
+            for n in names:
+                self._add_shard(n, self.path / n)
+
+    def _add_shard(self, name: str, path: Path) -> None:
+        # O_NONBLOCK: a FIFO given as a checkpoint must be refused, not waited on forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise InvalidCheckpointError(str(path), "not a regular file (a pipe, socket or device)")
+        with os.fdopen(fd, "rb") as f:
+            size = st.st_size
+            prefix = f.read(9)
+            if looks_like_pickle(prefix):
+                raise InvalidCheckpointError(str(path), PICKLE_ADVICE)
+            f.seek(0)
+            try:
+                n = read_header_length(f.read(8))
+                if 8 + n > size:
+                    raise HeaderError(f"header length {n} runs past the end of the file")
+                raw = f.read(n)
+                header = parse_header(raw, size - 8 - n)
+            except HeaderError as exc:
+                reason = PATCH_ADVICE.format(path=path) if prefix.startswith(PATCH_MAGIC) else str(exc)
+                raise InvalidCheckpointError(str(path), reason) from None
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
+        shard = ShardFile(name, path, header, mapping)
+        if mapping is not None:
+            view = np.frombuffer(mapping, np.uint8)  # for its address; no copy
+            shard._guard = mapped.watch(view.ctypes.data, size, str(path), size, (st.st_dev, st.st_ino, st.st_mtime_ns))
+            del view  # an exported buffer would keep the map from closing
+        self.shards.append(shard)
+        for entry in header.tensors:
+            if entry.name in self._where:
+                raise InvalidCheckpointError(str(path), f"tensor {entry.name!r} appears in two shards")
+            self._where[entry.name] = (shard, entry)
+
+    # -- access -------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def entry(self, name: str) -> TensorEntry:
+        return self._where[name][1]
+
+    def raw_bytes(self, name: str) -> np.ndarray:
+        shard, entry = self._where[name]
+        return shard.tensor_bytes(entry)
+
+    def prefetch(self, name: str) -> None:
+        """Read a tensor's pages into memory (blocking: call it from a thread that has time)."""
+        shard, entry = self._where[name]
+        populate_read(shard._map, shard.header.data_start + entry.begin, entry.nbytes)
+
+    def release(self, name: str) -> None:
+        """Done with a tensor's bytes for now: unmap its pages (they stay cached; see unmap_pages).
+        The map is read-only and shared, so nothing is lost: a later read maps them again."""
+        shard, entry = self._where[name]
+        unmap_pages(shard._map, shard.header.data_start + entry.begin, entry.nbytes)
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        return self.shards[0].header.metadata if self.kind == "file" else None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(8 + len(s.header.raw) + s.header.data_bytes for s in self.shards)
+
+    def close(self) -> None:
+        """Unmap the files. Raises CheckpointChangedError if one of them shrank while it was mapped:
+        whatever was computed from its bytes since is not to be trusted."""
+        changed = None
+        for s in self.shards:
+            changed = changed or mapped.changed(s._guard)
+            if s._map is not None:
+                try:
+                    s._map.close()
+                    mapped.unwatch(s._guard)
+                    s._guard = None
+                except BufferError:
+                    # A view is still alive: the map closes when it is collected, its slot left until a
+                    # new map over its addresses clears it (mapped.watch). Not a finalizer: one run by
+                    # the garbage collector inside watch, which holds the guard's lock, deadlocked.
+                    pass
+                s._map = None
+        if changed is not None:
+            raise changed
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EmptyCheckpoint(Checkpoint):
+    """A checkpoint with no tensors: the base of an anchor, a patch that carries every tensor whole."""
+
+    def __init__(self) -> None:  # noqa: super().__init__ would look for a path
+        self.path = Path("<empty>")
+        self.shards = []
+        self.index_bytes = None
+        self._where = {}
+        self.kind = "file"
+
+
+def open_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
+    """`None` stands for the empty checkpoint."""
+    return EmptyCheckpoint() if path is None else Checkpoint(path)
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """One tensor as a precision mode sees it: its type, shape and bit patterns."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    bits: np.ndarray  # 1-D, unsigned ints of dtype.itemsize bytes, C-contiguous and aligned
+
+
+class TensorView:
+    """A checkpoint seen under a precision mode ("exact" or "bf16")."""
+
+    def __init__(self, ckpt: Checkpoint, precision: str):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}")
+        self.ckpt = ckpt
+        self.precision = precision
+
+    def casts(self, dtype: DType) -> bool:
+        return self.precision == "bf16" and dtype.is_float and dtype is not BF16
+
+    def dtype_of(self, name: str) -> DType:
+        dtype = self.ckpt.entry(name).dtype
+        return BF16 if self.casts(dtype) else dtype
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.ckpt.entry(name).shape
+
+    def get(self, name: str) -> TensorData:
+        entry = self.ckpt.entry(name)
+        raw = self.ckpt.raw_bytes(name)
+        if self.casts(entry.dtype):
+            return TensorData(name, BF16, entry.shape, cast_to_bf16_bits(raw, entry.dtype))
+        bits = raw.view(entry.dtype.bits_dtype) if raw.size else np.empty(0, entry.dtype.bits_dtype)
+        if not bits.flags.aligned:
+            bits = bits.copy()  # numba kernels need aligned arrays; safetensors does not promise alignment
+        return TensorData(name, entry.dtype, entry.shape, bits)
+
+
+def cast_to_bf16_bits(raw: np.ndarray, dtype: DType) -> np.ndarray:
+    """BF16 bit patterns of `raw` (elements of `dtype`), exactly as torch rounds them."""
+    import torch  # deferred: importing torch costs seconds and most paths never cast
+
+    if dtype.torch_name is None or not hasattr(torch, dtype.torch_name):
+        raise InvalidCheckpointError("", f"this torch cannot cast {dtype.name} to BF16")
+    if raw.size == 0:
+        return np.empty(0, np.uint16)
+    import warnings
+
+    with warnings.catch_warnings():
+        # frombuffer warns that a read-only mmap is not writable; the tensor is only read.
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(raw, dtype=getattr(torch, dtype.torch_name))
+    return src.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)

@@ -1,0 +1,891 @@
+"""`apply_patch`: rebuild the target checkpoint from a base and a patch.
+
+Order of checks, so that nothing is written unless everything holds:
+  1. the patch preamble and header (magic, version, checksums, bounds);
+  2. the base digest (every base tensor hashed) against the patch's base, or
+     its target (then the base is already up to date);
+  3. while rebuilding into temporary files: each section's checksum before it
+     is decoded, each rebuilt tensor's hash against the header;
+  4. the rebuilt checkpoint's digest; only then are the files renamed into place.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from pulsediff.io.atomic import StagedFiles
+from pulsediff.io.checkpoint import INDEX_NAME, Checkpoint, TensorView, open_checkpoint
+from pulsediff.codecs import get_codec
+from pulsediff.codecs.base import Scratch, SectionContext, zstd_decompress_exact
+from pulsediff.format.digest import TensorId, checkpoint_digest, tensor_hash
+from pulsediff.errors import (
+    BaseFileMismatchError,
+    BaseMismatchError,
+    ChainError,
+    CheckpointNotFoundError,
+    CorruptPatchError,
+    PulsediffError,
+    TargetMismatchError,
+    TensorMismatchError,
+    UsageError,
+    refuse_existing,
+)
+from pulsediff.io.folder_files import file_hash, read_folder_file
+from pulsediff.format.container import PatchReader
+from pulsediff.ops.inspect import tensor_ids
+from pulsediff.kernels import get_backend
+from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
+from pulsediff.runtime.progress import SILENT, Progress
+from pulsediff.io.safetensors_header import HeaderError, parse_header
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    status: str  # "applied", "up-to-date", or for a dry run that would write, "would-apply"
+    output: Path | None  # None: a dry run given no output
+    header: PatchHeader = field(repr=False)  # the last patch applied (its target is the output)
+    links_applied: int = 1
+    base_is_target: bool = False  # the base already was the target (a patch made with OLD and NEW swapped?)
+    dry_run: bool = False  # everything was checked, nothing written
+    layout_from_base: bool = False  # bf16: the files keep the receiver's (base's) BF16 layout, not the patch's
+
+
+def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, BinaryIO | None]:
+    """Read and validate a patch's header. Returns (reader, header, stream to close or None)."""
+    if isinstance(patch, (str, Path)) and str(patch) == "-":
+        stream, source, owned = sys.stdin.buffer, "<stdin>", None
+    elif isinstance(patch, (str, Path)):
+        path = Path(patch)
+        if not path.is_file():
+            raise CheckpointNotFoundError(str(path), "patch")
+        stream = open(path, "rb")
+        source, owned = str(path), stream
+    else:
+        stream, source, owned = patch, getattr(patch, "name", "<stream>"), None
+    try:
+        reader = PatchReader(stream, source)
+        header = PatchHeader.from_json(reader.header, source)
+    except BaseException:
+        if owned:
+            owned.close()
+        raise
+    return reader, header, owned
+
+
+def verify_patch_file(patch: str | Path) -> PatchHeader:
+    """Read a whole patch file and check every checksum and its length; decode nothing."""
+    reader, header, owned = open_patch(patch)
+    try:
+        for ref in header.section_refs():
+            reader.read_next(ref, "section")
+        reader.expect_end(header.sections_length)
+        return header
+    finally:
+        if owned:
+            owned.close()
+
+
+def read_patch_header(patch: str | Path | BinaryIO) -> PatchHeader:
+    """The validated header of a patch (sections are not read)."""
+    _, header, owned = open_patch(patch)
+    if owned:
+        owned.close()
+    return header
+
+
+def apply_patch(
+    base: str | Path | None,
+    patch: str | Path | BinaryIO,
+    out: str | Path | None = None,
+    *,
+    in_place: bool = False,
+    device: str | None = None,
+    progress: Progress = SILENT,
+    force: bool = False,
+) -> ApplyResult:
+    """Rebuild the target of `patch` from `base` (None: the empty checkpoint, for anchors) into `out`, or into
+    `base` itself with `in_place`. An existing `out` is refused (OutputExistsError) unless `force`; with
+    `force`, an `out` that already is the target is left as it is (status "up-to-date")."""
+    return apply_chain(base, [patch], out, in_place=in_place, device=device, progress=progress, force=force)
+
+
+@dataclass
+class _Link:
+    reader: PatchReader
+    header: PatchHeader
+    records: dict[str, TensorRecord]
+
+    @property
+    def files(self) -> dict[str, FileRecord]:
+        return {f.name: f for f in self.header.files}
+
+
+@contextmanager
+def open_chain(patches: list) -> Iterator[list[_Link]]:
+    """Open patches as a chain, every link checked against the previous one; closes them after."""
+    owned: list[BinaryIO] = []
+    try:
+        links = []
+        for p in patches:
+            reader, header, stream = open_patch(p)
+            if stream is not None:
+                owned.append(stream)
+            links.append(_Link(reader, header, {r.name: r for r in header.tensors}))
+        _check_links(links)
+        yield links
+    finally:
+        for stream in owned:
+            stream.close()
+
+
+def apply_chain(
+    base: str | Path | None,
+    patches: list,
+    out: str | Path | None = None,
+    *,
+    in_place: bool = False,
+    device: str | None = None,
+    progress: Progress = SILENT,
+    base_ids: dict[str, TensorId] | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    expect_target: str | None = None,
+    expect_where: str = "the signed manifest",
+) -> ApplyResult:
+    """Apply patches P1..Pn to `base` in one pass, tensor by tensor, with no intermediate checkpoints.
+
+    Every link is checked (Pk's base digest is Pk-1's target digest) before
+    anything is written. A base that already equals the target of some link
+    starts the chain there. One patch may come from a stream (stdin); a chain
+    of several needs seekable files. `base_ids`: the base's tensor ids under
+    the patches' precision, when the caller has just hashed it (every rebuilt
+    tensor is still checked against its recorded hash). `dry_run`: stop after
+    the checks that precede writing (headers, links, base digest, output
+    kind) and write nothing; it needs no output (then `output` is None). An
+    existing `out` is refused unless `force`, as in `apply_patch`.
+    `expect_target` (a signed series: the target digest its entry names):
+    the chain's last patch must rebuild exactly that (the rebuilt tensors are
+    checked against that patch's target digest), else UntrustedManifestError
+    naming `expect_where`, before anything is written.
+    """
+    if not patches:
+        raise UsageError("give at least one patch")
+    if in_place and out is not None or not (in_place or out is not None or dry_run):
+        raise UsageError("give exactly one of an output path or in_place=True")
+    if in_place and base is None:
+        raise UsageError("in_place needs a base checkpoint")
+    if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
+        raise UsageError("a chain of several patches must be files (stdin carries one patch)")
+    if not in_place:
+        refuse_existing(out, force)
+    out_path = Path(base) if in_place else Path(out) if out is not None else None
+    with open_chain(patches) as links:
+        first_link, final_link = links[0], links[-1]
+        final = final_link.header
+        if expect_target is not None and final.target_digest != expect_target:
+            from pulsediff.errors import UntrustedManifestError
+
+            raise UntrustedManifestError(expect_where, f"the chain ending in {final_link.reader.source} rebuilds "
+                                                       f"{final.target_digest}, not {expect_target}, the target its "
+                                                       f"signed entry names (a file changed between its check and "
+                                                       f"its use?); nothing was written")
+        with open_checkpoint(base) as base_ckpt:
+            view = TensorView(base_ckpt, final.precision)
+            if base_ids is None:
+                base_ids = tensor_ids(view, progress)
+            digest = checkpoint_digest(base_ids.values())
+            base_is_out = base is not None and out_path is not None and out_path.resolve() == Path(base).resolve()
+            base_is_target = digest == final.target_digest
+            if base_is_target:
+                if in_place or base_is_out or out_path is None or _already_target(out_path, final):
+                    return ApplyResult("up-to-date", out_path, final, 0, True, dry_run)
+                links = []  # the base is the target: only the layout may differ
+            else:
+                later = [k for k, link in enumerate(links) if link.header.base_digest == digest]
+                if not later:
+                    raise _base_mismatch(links[0].header, base_ids, digest)
+                links = links[later[-1]:]
+                if out_path is not None and _already_target(out_path, final):
+                    return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
+            receiver = _receiver_layout(base_ckpt, view, final)
+            sequential = len(patches) == 1  # one patch, maybe on stdin: read it front to back
+            if receiver is not None and sequential and receiver.order != [r.name for r in final.tensors]:
+                if _seekable(first_link.reader.stream):
+                    sequential = False  # the receiver's order: read the sections where they lie
+                else:
+                    receiver = None  # stdin cannot be read out of order: the patch's layout
+            if out_path is not None:
+                _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
+            files = FolderFileSources(links or [final_link], base_ckpt, final, in_place, sequential)
+            if dry_run:
+                return ApplyResult("would-apply", out_path, final, len(links), base_is_target, True,
+                                   receiver is not None)
+            backend = get_backend(device)
+            if in_place:  # removed with the renames, under the same intent record
+                files.stale = _stale_paths(base_ckpt, receiver or _TargetFiles.of_patch(final, None, ""), files.removed)
+            if sequential:
+                _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links)
+            else:
+                _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver)
+        return ApplyResult("applied", out_path, final, len(links), base_is_target,
+                           layout_from_base=receiver is not None)
+
+
+def _check_links(links: list[_Link]) -> None:
+    for prev, link in zip(links, links[1:]):
+        if link.header.precision != prev.header.precision:
+            raise ChainError(f"{link.reader.source} is a {link.header.precision} patch but "
+                             f"{prev.reader.source} is {prev.header.precision}: they do not chain")
+        if link.header.base_digest != prev.header.target_digest:
+            raise ChainError(f"{link.reader.source} does not follow {prev.reader.source} "
+                             f"(its base is {link.header.base_digest}, the previous target {prev.header.target_digest})")
+
+
+def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress,
+                     files: "FolderFileSources", receiver: "_TargetFiles | None", copy_all: bool = False) -> None:
+    """One patch, read front to back (works on stdin): each section is decoded as it arrives.
+
+    `copy_all`: the base already is the target, so every tensor comes from it
+    (the sections are still read, to check the stream, but not decoded).
+    """
+    reader, header = link.reader, link.header
+    layout_blob = read_layout(reader, header, sequential=True)
+    scratch = Scratch()
+
+    def base_bits(rec: TensorRecord) -> np.ndarray:
+        if rec.name not in view.ckpt:  # a header may say so even when the base digest matched
+            raise CorruptPatchError(reader.source, f"tensor {rec.name!r} is {rec.op!r} but the base lacks it")
+        return view.get(rec.name).bits
+
+    def target_bits(rec: TensorRecord) -> "Windows | Rebuild":
+        payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+        if copy_all:
+            return Rebuild(rec.numel, [(rec, None, reader.source)], base_bits(rec), backend)
+        if (rec.op == "patch" and rec.numel > WINDOW_ELEMENTS
+                and hasattr(get_codec(rec.section.codec), "decode_windows")):
+            return rebuild_windows(rec, payload, base_bits(rec), backend, reader.source, scratch)
+        return Rebuild(rec.numel, [(rec, payload, reader.source)], base_bits(rec) if rec.op != "full" else None,
+                       backend)
+
+    def before_commit() -> None:
+        reader.expect_end(header.sections_length)
+
+    target = receiver or _TargetFiles.of_patch(header, layout_blob, reader.source)
+    _write_target(header, target, target_bits, files, out_path, progress, before_commit, scratch, backend)
+
+
+def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
+                         progress: Progress, files: "FolderFileSources", receiver: "_TargetFiles | None") -> None:
+    """A chain: each target tensor is carried through every link in turn, in memory.
+
+    `links` may be empty (the base already is the target): then only the
+    final patch's layout is used.
+    """
+    for link in links:
+        link.reader.check_size(link.header.sections_length)
+    final = final_link.header
+    layout_blob = read_layout(final_link.reader, final, sequential=False)
+    scratch = Scratch()
+    link_scratch = [Scratch() for _ in links]  # each link's windows, kept from tensor to tensor
+
+    def target_bits(rec: TensorRecord) -> "Windows | Rebuild":
+        return chain_windows(chain_rebuild(rec.name, links, view, backend), link_scratch)
+
+    target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
+    _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend)
+
+
+def carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
+    """The tensor after the last link: from the last link that carries it whole, or from the base."""
+    return chain_rebuild(name, links, view, backend).run(scratch)
+
+
+@dataclass
+class Rebuild:
+    """A target tensor to rebuild: its sections already read (in the patch's order, so a patch on
+    stdin is read front to back), the decoding left to `run`, which may happen on another thread."""
+
+    numel: int
+    steps: list  # (record, payload or None, source) per link, oldest first: each decodes onto the last
+    base_bits: np.ndarray | None  # what the first step decodes onto (None: it carries the tensor whole)
+    backend: object
+
+    def run(self, scratch: Scratch, alone: bool = False) -> np.ndarray:
+        bits = self.base_bits
+        for rec, payload, source in self.steps:
+            bits = rebuild_tensor(rec, payload, bits, self.backend, source, scratch, alone)
+        return bits
+
+
+def chain_rebuild(name: str, links: list[_Link], view: TensorView, backend) -> Rebuild:
+    """How to carry one tensor through every link, from the last link that carries it whole
+    (or from the base); reads its sections now."""
+    start = len(links) - 1
+    while start >= 0:
+        rec = links[start].records.get(name)
+        if rec is None:
+            raise ChainError(f"{links[start].reader.source} lacks tensor {name!r} that a later patch builds on")
+        if rec.op == "full":
+            break
+        start -= 1
+    if start < 0:
+        if name not in view.ckpt:
+            raise ChainError(f"the base lacks tensor {name!r} that the chain builds on")
+        bits = view.get(name).bits
+    else:
+        bits = None
+    steps = []
+    for link in links[max(start, 0):]:
+        rec = link.records[name]
+        payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
+        steps.append((rec, payload, link.reader.source))
+    return Rebuild(steps[-1][0].numel if steps else bits.size, steps, bits, backend)
+
+
+def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | Rebuild":
+    """A tensor larger than a window, carried from the base through links that each patch it with
+    a windowed codec or keep it, as windows: every link rebuilds each window of the one before
+    while it is in the cache, and memory holds two windows per link instead of the whole tensor.
+    Each link's hash is checked once its last window has gone through. Anything else, or a chain
+    so long that the windowed way would hold more: the Rebuild as it is."""
+    base, steps = rebuild.base_bits, rebuild.steps
+    if rebuild.numel <= WINDOW_ELEMENTS or base is None or not steps or len(steps) > len(link_scratch):
+        return rebuild
+    # Windows hold every link's two windows and decoded entries (~9 bytes per change) at once, the
+    # whole-tensor way one tensor and one link's entries: a long chain is cheaper whole.
+    entry_bytes = [9 * rec.changed for rec, _, _ in steps]
+    if (sum(entry_bytes) + len(steps) * 2 * WINDOW_ELEMENTS * base.itemsize
+            >= rebuild.numel * base.itemsize + max(entry_bytes)):
+        return rebuild
+    for rec, payload, _ in steps:
+        if (rec.numel, rec.dtype.itemsize) != (base.size, base.dtype.itemsize):
+            return rebuild  # the Rebuild refuses it with the error that fits
+        if not (rec.op == "same" and payload is None
+                or rec.op == "patch" and hasattr(get_codec(rec.section.codec), "decode_stream")):
+            return rebuild
+    parts = (base[lo:lo + WINDOW_ELEMENTS] for lo in range(0, base.size, WINDOW_ELEMENTS))
+    for k, (rec, payload, source) in enumerate(steps):
+        if rec.op == "patch":
+            ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
+            parts = get_codec(rec.section.codec).decode_stream(parts, payload, rec.section.params, ctx,
+                                                               rebuild.backend, link_scratch[k])
+        if k < len(steps) - 1:
+            parts = _hash_checked(parts, rec, source)
+    last, _, source = steps[-1]
+    return Windows(last, source, parts)  # the writer checks the last link's hash
+
+
+def _hash_checked(parts, rec: TensorRecord, source: str):
+    """The windows as they are, and once the last has gone by, the check of the tensor's hash
+    (the one the writer makes of the last link's windows: Windows.check)."""
+    windows = Windows(rec, source, parts)
+    for part in parts:
+        windows.hasher.update(part)
+        yield part
+    windows.check()
+
+
+# -- base checks --------------------------------------------------------------
+
+
+def _already_target(out_path: Path, header: PatchHeader) -> bool:
+    """True when OUT already holds the target (applying twice is harmless)."""
+    if not out_path.exists():
+        return False
+    try:
+        with Checkpoint(out_path) as existing:
+            ids = tensor_ids(TensorView(existing, header.precision))
+            return checkpoint_digest(ids.values()) == header.target_digest
+    except PulsediffError:
+        return False
+
+
+def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: str) -> PulsediffError:
+    """The most specific explanation of why the base is not the patch's base."""
+    expected = [r for r in header.tensors if r.base_hash is not None]
+    for rec in expected:  # a wrong shape or dtype says most about what went wrong
+        have = base_ids.get(rec.name)
+        if have is not None and (have.dtype != rec.dtype.name or have.shape != rec.shape):
+            return TensorMismatchError(
+                f"base tensor {rec.name!r} is {have.dtype}{list(have.shape)}, "
+                f"the patch expects {rec.dtype.name}{list(rec.shape)}: this patch was made from another base"
+            )
+    for rec in expected:
+        have = base_ids.get(rec.name)
+        if have is None:
+            return BaseMismatchError(header.base_digest, digest, f"tensor {rec.name!r} is missing from the base")
+        if have.hash != rec.base_hash:
+            return BaseMismatchError(header.base_digest, digest, f"tensor {rec.name!r} differs from the patch's base")
+    if len(base_ids) != header.base_tensors:
+        return BaseMismatchError(header.base_digest, digest, f"the base holds {len(base_ids)} tensor(s), the "
+                                                             f"patch's base {header.base_tensors}")
+    # Every tensor the patch builds on matches: the difference is in one it does not build on
+    # (carried whole, or removed), whose hash the patch does not record.
+    unchecked = sorted(set(base_ids) - {r.name for r in expected})
+    return BaseMismatchError(header.base_digest, digest,
+                             "the base differs in a tensor the patch carries whole or removes"
+                             + (f" (one of {', '.join(map(repr, unchecked[:3]))}{', ...' if len(unchecked) > 3 else ''})"
+                                if unchecked else ""))
+
+
+# -- rebuilding -----------------------------------------------------------------
+
+
+def _check_base_size(rec: TensorRecord, base_bits: np.ndarray, source: str) -> None:
+    """A patched tensor's base must have the element count and width its record says."""
+    if (base_bits.size, base_bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
+        raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
+                                        f"{base_bits.dtype.itemsize} bytes, patch expects {rec.numel} of "
+                                        f"{rec.dtype.itemsize}")
+
+
+def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
+                   scratch: Scratch, alone: bool = False) -> np.ndarray:
+    """One target tensor's bits, checked against its recorded hash.
+
+    `payload` None means the target tensor is `base_bits` as they are (op
+    "same", or a base that already is the target). `alone`: this runs on one
+    worker thread beside other rebuilds (Codec.decode_alone).
+    """
+    if payload is None:
+        bits = base_bits
+    else:
+        codec = get_codec(rec.section.codec)
+        if base_bits is not None and rec.op == "patch":
+            _check_base_size(rec, base_bits, source)
+        ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
+        decode = codec.decode_alone if alone else codec.decode
+        bits = decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
+    if tensor_hash(bits) != rec.target_hash:
+        raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
+    # The hash says nothing of the size when the header lies about it consistently (a "same" tensor given
+    # another shape or dtype): the file header would promise bytes that are not written.
+    if (bits.size, bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
+        raise CorruptPatchError(source, f"tensor {rec.name!r} rebuilds to {bits.size} elements of "
+                                        f"{bits.dtype.itemsize} bytes; the header says {rec.numel} of {rec.dtype.itemsize}")
+    return bits
+
+
+def read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> bytes:
+    layout = header.layout
+    data = (reader.read_next if sequential else reader.read_section)(layout.section, "layout")
+    blob = zstd_decompress_exact(data, layout.blob_len, SectionContext("<layout>", layout.blob_len, 1, reader.source), "layout")
+    # Format 1.1: every byte of the target's files that is not tensor data is in the blob,
+    # so with this check (and the tensor hashes) exact mode rebuilds the files byte for byte.
+    if layout.digest is not None and file_hash(blob) != layout.digest:
+        raise CorruptPatchError(reader.source, "the layout does not match its recorded digest")
+    # Each file's header must describe its tensors, for every reader of the layout (squash wrote
+    # patches from layouts that apply then refused).
+    pos = first = 0
+    holder = {}  # tensor -> the file the layout writes it to
+    for lf in layout.files:
+        _check_file_header(blob[pos : pos + lf.header_len], header.tensors[first : first + lf.tensors], lf.name,
+                           reader.source)
+        holder.update((r.name, lf.name) for r in header.tensors[first : first + lf.tensors])
+        pos, first = pos + lf.header_len, first + lf.tensors
+    if layout.index_len is not None:
+        _check_index(blob[pos : pos + layout.index_len], holder, reader.source)
+    return blob
+
+
+def _check_index(index: bytes, holder: dict[str, str], source: str) -> None:
+    """The index the layout writes must list each tensor in the file the layout writes it to (§5):
+    the file names are in the header, outside the layout digest, so a patch whose names were edited
+    (checksums recomputed) would otherwise rebuild a folder whose index names files it does not have."""
+    from pulsediff.io import strict_json
+
+    try:
+        weight_map = strict_json.loads(index)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise CorruptPatchError(source, f"the layout's {INDEX_NAME} has no weight_map object") from None
+    if weight_map != holder:
+        wrong = sorted(set(weight_map.items()) ^ set(holder.items()))[0][0]
+        raise CorruptPatchError(source, f"the layout's {INDEX_NAME} lists tensor {wrong!r} in "
+                                        f"{weight_map.get(wrong)!r}, but the layout writes it to "
+                                        f"{holder.get(wrong)!r}: the rebuilt folder would not load")
+
+
+class FolderFileSources:
+    """Where each of the target folder's other files comes from, checked before anything is written.
+
+    A file is carried whole by the last link that changed it, else it is the
+    base folder's file. In exact mode that base file must have the recorded
+    hash (else the rebuilt folder would not be the target). In bf16 mode the
+    receiver's folder is typically saved by another tool, so its unchanged
+    files are kept as they are (or stay absent).
+    """
+
+    def __init__(self, links: list[_Link], base: Checkpoint, final: PatchHeader, in_place: bool, sequential: bool):
+        self.final = final.files
+        self.sequential = sequential  # one patch is read front to back (it may be stdin)
+        self.strict = final.precision == "exact"
+        self.in_place = in_place
+        self.stale: list[Path] = []  # in place: base files the target does not have, removed at commit
+        self.base_dir = base.path if base.kind == "dir" else None
+        self.from_link: dict[str, tuple[_Link, FileRecord]] = {}
+        for rec in self.final:
+            for link in reversed(links):
+                own = link.files.get(rec.name)
+                if own is not None and own.op == "full":
+                    self.from_link[rec.name] = (link, own)
+                    break
+            else:
+                self.base_bytes(rec)  # checked now: before any output exists
+        gone = {n for link in links for n in link.header.removed_files} - {r.name for r in self.final}
+        self.removed = sorted(gone)
+
+    def base_bytes(self, rec: FileRecord) -> bytes | None:
+        """The base folder's copy of `rec`; None where bf16 mode keeps it absent."""
+        path = self.base_dir / rec.name if self.base_dir is not None else None
+        if path is None or not path.is_file():
+            if not self.strict:
+                return None
+            raise BaseFileMismatchError(f"the base {'folder' if path else 'checkpoint'} lacks {rec.name}, which the "
+                                        "patch keeps unchanged: the rebuilt folder would not be the target")
+        data = read_folder_file(path)
+        if self.strict and (len(data) != rec.size or file_hash(data) != rec.hash):
+            raise BaseFileMismatchError(f"{path} is not the file the patch was made against (its hash differs): "
+                                        "the rebuilt folder would not be the target")
+        return data
+
+    def section(self, rec: FileRecord) -> tuple[bytes | None, str]:
+        """The section that carries `rec` whole (None: the base's file), and which patch it is from."""
+        found = self.from_link.get(rec.name)
+        if found is None:
+            return None, ""
+        link, own = found
+        read = link.reader.read_next if self.sequential else link.reader.read_section
+        return read(own.section, f"file {rec.name!r}"), link.reader.source
+
+    def contents(self, rec: FileRecord, section: bytes | None, source: str) -> bytes | None:
+        """The bytes to write for `rec`, or None: nothing to write (kept or absent)."""
+        if section is not None:
+            data = zstd_decompress_exact(section, rec.size, SectionContext(rec.name, rec.size, 1, source), "file")
+            if file_hash(data) != rec.hash:
+                raise CorruptPatchError(source, f"folder file {rec.name!r} does not rebuild to its recorded hash")
+            return data
+        if self.in_place:
+            return None  # the base's own file, checked above
+        return self.base_bytes(rec)
+
+
+def _check_output_kind(kind: str, out_path: Path) -> None:
+    if kind == "dir" and out_path.exists() and not out_path.is_dir():
+        raise UsageError(f"{out_path} is a file, but the patch rebuilds a sharded folder")
+    if kind == "file" and out_path.is_dir():
+        raise UsageError(f"{out_path} is a folder, but the patch rebuilds a single file")
+
+
+@dataclass
+class _TargetFiles:
+    """The checkpoint files apply writes: kind, and per file its safetensors header and tensors in data order."""
+
+    kind: str
+    files: list[tuple[str, bytes, tuple[TensorRecord, ...]]]
+    index: bytes | None
+
+    @property
+    def order(self) -> list[str]:
+        return [r.name for _, _, records in self.files for r in records]
+
+    @classmethod
+    def of_patch(cls, header: PatchHeader, blob: bytes | None, source: str) -> "_TargetFiles":
+        """The patch's own layout (with `blob` None: names only, for cleaning up after in-place)."""
+        files, pos, first = [], 0, 0
+        for lf in header.layout.files:
+            records = header.tensors[first : first + lf.tensors]
+            raw = blob[pos : pos + lf.header_len] if blob is not None else b""
+            if blob is not None:
+                _check_file_header(raw, records, lf.name, source)
+            files.append((lf.name, raw, records))
+            pos, first = pos + lf.header_len, first + lf.tensors
+        index = None
+        if header.layout.index_len is not None:
+            index = blob[pos : pos + header.layout.index_len] if blob is not None else b""
+        return cls(header.layout.kind, files, index)
+
+
+def _receiver_layout(base: Checkpoint, view: TensorView, final: PatchHeader) -> _TargetFiles | None:
+    """In bf16 mode, the base's own file layout when the base already is a BF16 checkpoint of the same
+    tensors: the receiver keeps its files as its own tool saved them (names, sharding, metadata, order),
+    rather than the layout of the trainer's FP32 files. None when that does not hold."""
+    if final.precision != "bf16" or not base.shards:
+        return None
+    records = {r.name: r for r in final.tensors}
+    if set(base.names) != set(records) or any(view.casts(base.entry(n).dtype) for n in base.names):
+        return None
+    files = []
+    for shard in base.shards:
+        entries = shard.header.tensors
+        if any((e.dtype.name, e.shape) != (records[e.name].dtype.name, records[e.name].shape) for e in entries):
+            return None
+        files.append((shard.name, shard.header.raw, tuple(records[e.name] for e in entries)))
+    return _TargetFiles(base.kind, files, base.index_bytes)
+
+
+# Elements per window of a windowed rebuild: 16 MiB of BF16, large enough to
+# keep every worker thread busy, small enough to stay near the cache.
+WINDOW_ELEMENTS = 1 << 23
+
+
+def rebuild_windows(rec: TensorRecord, payload: bytes, base_bits: np.ndarray, backend, source: str,
+                    scratch: Scratch) -> "Windows":
+    """One patched tensor as consecutive windows (codec.decode_windows); its hash is checked by
+    whoever consumes them (`Windows.hasher`), since it is known only after the last one."""
+    _check_base_size(rec, base_bits, source)
+    ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
+    codec = get_codec(rec.section.codec)
+    return Windows(rec, source, codec.decode_windows(base_bits, payload, rec.section.params, ctx, backend, scratch,
+                                                     WINDOW_ELEMENTS))
+
+
+@dataclass
+class Windows:
+    """A tensor rebuilt window by window, and the check of its hash once all are seen."""
+
+    rec: TensorRecord
+    source: str
+    parts: Iterator[np.ndarray]
+
+    def __post_init__(self) -> None:
+        import xxhash
+
+        self.hasher = xxhash.xxh3_128()
+
+    def check(self) -> None:
+        if self.hasher.hexdigest() != self.rec.target_hash:
+            raise CorruptPatchError(self.source, f"tensor {self.rec.name!r} does not rebuild to its recorded hash")
+
+
+class _PipelinedWriter:
+    """Writes (and hashes) on a worker thread while the caller computes the next buffer.
+
+    At most one write is in flight: `put` first waits for the previous one, so
+    a buffer handed over is free again once the next `put` returns (windows
+    alternate between two buffers for that reason). Errors surface at the
+    next `put` or `drain`.
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from pulsediff.kernels.threads import num_threads
+
+        # PULSEDIFF_THREADS=1 means one busy thread: the hashing then runs where the tensors are
+        # rebuilt (the writes still go to the disk in the background, see atomic._DirectWriter).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-writer") \
+            if num_threads() > 1 else None
+        self._pending = None
+
+    @staticmethod
+    def _write(f, data: memoryview, hasher, then) -> None:
+        if hasher is not None:
+            hasher.update(data)
+        f.write(data)
+        if then is not None:
+            then()
+
+    def put(self, f, data: memoryview, hasher=None, then=None) -> None:
+        self.drain()
+        if self._pool is None:
+            self._write(f, data, hasher, then)
+        else:
+            self._pending = self._pool.submit(self._write, f, data, hasher, then)
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def abandon(self) -> None:
+        """Wait for the write in flight, dropping its error: the caller is already failing."""
+        from concurrent.futures import wait
+
+        pending, self._pending = self._pending, None
+        while pending is not None and not pending.done():
+            try:
+                wait([pending])
+            except BaseException:  # noqa: BLE001 - even a second Ctrl-C waits: the file closes next
+                pass
+
+    def close(self) -> None:
+        self.abandon()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _seekable(stream) -> bool:
+    """A file on disk (random access checks its size through the descriptor)."""
+    try:
+        return stream.seekable() and stream.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+# At most this many tensors rebuilt ahead, whatever the thread count: each holds a scratch of
+# its own (up to one window of output, and its decoded entries) until written, so memory stays
+# bounded (worst case about 10 x 136 MiB: F64 windows with every element changed; 2% BF16: 170 MiB).
+MAX_SIDE_BY_SIDE = 8
+
+
+class _SideBySide:
+    """The target tensors in file order, the small ones rebuilt ahead on the worker threads.
+
+    `prepare(rec)` runs on the caller's thread in record order (it reads the
+    record's sections: a patch on stdin is read front to back) and returns a
+    `Windows` (a tensor of more than WINDOW_ELEMENTS, rebuilt when its turn
+    comes, each window's walk spread over the threads) or a `Rebuild`. With
+    `ahead` > 0, a Rebuild of at most WINDOW_ELEMENTS runs on a worker thread
+    of its own (`alone`), up to `ahead` of them past the tensor being
+    written, each into a Scratch of its own that returns to the pool once the
+    writer is done with it; so the entropy decoders of one tensor run beside
+    the walks of others, and no walk pays for a class count pass (measured on
+    the 1 GiB pair of docs/BENCHMARKS.md, 2 threads: apply 2.28 -> 1.89 s).
+    Larger Rebuilds run on the caller's thread into `scratch`.
+    """
+
+    def __init__(self, records: list[TensorRecord], prepare, scratch: Scratch, ahead: int):
+        from collections import deque
+
+        self._records, self._prepare, self._scratch, self._ahead = records, prepare, scratch, ahead
+        self._next = 0  # the first record not prepared yet
+        self._queue = deque()  # (record, Future | Windows | Rebuild), in record order
+        self._free = deque(Scratch() for _ in range(ahead + 2))  # the writer returns them (deque: thread-safe)
+
+    def take(self, rec: TensorRecord):
+        """(bits or Windows, release): `release`, when not None, frees the bits' buffer once they are
+        written; None means they live in the caller's scratch, which the next rebuild reuses."""
+        self._top_up()
+        if not self._queue:
+            self._prepare_next()
+        queued, item = self._queue.popleft()
+        if queued.name != rec.name:
+            raise AssertionError(f"tensors taken out of order: {rec.name!r} asked, {queued.name!r} next")
+        self._top_up()  # the next ones start before this one is waited for
+        if isinstance(item, tuple):
+            future, scratch = item
+            return future.result(), lambda: self._free.append(scratch)
+        if isinstance(item, Rebuild):
+            return item.run(self._scratch), None
+        return item, None
+
+    def _prepare_next(self) -> None:
+        rec = self._records[self._next]
+        self._next += 1
+        item = self._prepare(rec)
+        if self._ahead and isinstance(item, Rebuild) and item.numel <= WINDOW_ELEMENTS and self._free:
+            from pulsediff.kernels.threads import pool
+
+            scratch = self._free.popleft()
+            item = (pool().submit(item.run, scratch, True), scratch)
+        self._queue.append((rec, item))
+
+    def _top_up(self) -> None:
+        # At most `ahead` prepared: each holds its sections in memory, and a Windows its patch's share.
+        while self._next < len(self._records) and len(self._queue) < self._ahead:
+            self._prepare_next()
+
+    def close(self) -> None:
+        """Wait for every rebuild still running: they read the base, which closes next."""
+        from concurrent.futures import wait
+
+        futures = [item[0] for _, item in self._queue if isinstance(item, tuple)]
+        for future in futures:
+            future.cancel()
+        while futures:
+            try:
+                wait(futures)
+                break
+            except BaseException:  # noqa: BLE001 - even a second Ctrl-C waits: the base unmaps next
+                pass
+        self._queue.clear()
+
+
+def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files: FolderFileSources, out_path: Path,
+                  progress: Progress, before_commit, scratch: Scratch, backend) -> None:
+    """Write the target's files from staged temporaries; rename only once all is verified.
+
+    A new output folder is built whole under a temporary name and renamed
+    into place, so a failure or a kill never leaves a folder behind.
+    """
+    progress.begin("apply", sum(r.nbytes for r in header.tensors), len(header.tensors))
+    rebuilt: list[TensorId] = []
+    writer = _PipelinedWriter()  # tensor data goes out while the next is rebuilt
+    tensors = _SideBySide([rec for _, _, records in target.files for rec in records], target_bits, scratch,
+                          min(backend.side_by_side(), MAX_SIDE_BY_SIDE))
+    with StagedFiles() as staged:
+        if target.kind == "dir" and not out_path.exists():
+            staged.new_folder(out_path)
+        try:
+            for name, raw, records in target.files:
+                with staged.open(out_path if target.kind == "file" else out_path / name, direct=True) as f:
+                    try:
+                        f.write(len(raw).to_bytes(8, "little"))
+                        f.write(raw)
+                        for rec in records:
+                            bits, release = tensors.take(rec)
+                            if isinstance(bits, Windows):
+                                for part in bits.parts:
+                                    writer.put(f, memoryview(part).cast("B"), bits.hasher)
+                                writer.put(f, memoryview(b""), bits.hasher, bits.check)
+                            elif bits.size:
+                                writer.put(f, memoryview(np.ascontiguousarray(bits)).cast("B"), then=release)
+                                if release is None:
+                                    writer.drain()  # in the caller's scratch, which the next rebuild reuses
+                            elif release is not None:
+                                release()
+                            rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
+                            progress.advance(rec.nbytes)
+                        writer.drain()  # the file closes next
+                    except BaseException:
+                        writer.abandon()  # no write may still be in flight when the file closes
+                        raise
+        finally:
+            tensors.close()
+            writer.close()
+        if target.index is not None:
+            with staged.open(out_path / INDEX_NAME) as f:
+                f.write(target.index)
+        for rec in files.final:
+            data = files.contents(rec, *files.section(rec))
+            if data is not None:
+                with staged.open(out_path / rec.name) as f:
+                    f.write(data)
+        before_commit()
+        if checkpoint_digest(rebuilt) != header.target_digest:
+            raise TargetMismatchError(header.target_digest, checkpoint_digest(rebuilt))
+        for path in files.stale:
+            staged.remove_at_commit(path)
+        staged.commit()
+    progress.end()
+
+
+def _check_file_header(raw: bytes, records, file_name: str, source: str) -> None:
+    """The stored safetensors header must describe exactly these tensors, in this order."""
+    try:
+        parsed = parse_header(raw, sum(r.nbytes for r in records))
+    except HeaderError as exc:
+        raise CorruptPatchError(source, f"layout header of {file_name or 'the file'}: {exc}") from None
+    described = [(e.name, e.dtype.name, e.shape) for e in parsed.tensors]
+    if described != [(r.name, r.dtype.name, r.shape) for r in records]:
+        raise CorruptPatchError(source, f"layout header of {file_name or 'the file'} does not match the tensor list")
+
+
+def _stale_paths(base: Checkpoint, target: _TargetFiles, removed_files: list[str]) -> list[Path]:
+    """For an in-place apply to a folder: base shards (and index) the target no longer has, and the
+    other files the patches say the target lost."""
+    if base.kind != "dir":
+        return []
+    keep = {name for name, _, _ in target.files}
+    stale = [shard.path for shard in base.shards if shard.name not in keep]
+    if target.index is None and base.index_bytes is not None:
+        stale.append(base.path / INDEX_NAME)
+    return stale + [base.path / name for name in removed_files]

@@ -1,0 +1,36 @@
+"""Read-only questions about checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pulsediff.io.checkpoint import PRECISIONS, Checkpoint, TensorView
+from pulsediff.format.digest import TensorId, checkpoint_digest, tensor_hash
+from pulsediff.errors import UsageError
+from pulsediff.runtime.progress import SILENT, Progress
+
+
+def tensor_ids(view: TensorView, progress: Progress = SILENT) -> dict[str, TensorId]:
+    """Name, dtype, shape and hash of every tensor as the view sees it."""
+    from pulsediff.kernels.threads import num_threads, parallel_map
+
+    ckpt = view.ckpt
+    progress.begin("hash", sum(ckpt.entry(n).nbytes for n in ckpt.names), len(ckpt.names))
+    ids = {}
+    names = list(ckpt.names)
+    batch = num_threads()  # tensors hashed at once (XXH3 releases the GIL); casts keep a batch in memory
+    for first in range(0, len(names), batch):
+        tensors = [view.get(name) for name in names[first:first + batch]]
+        for t, digest in zip(tensors, parallel_map(tensor_hash, [(t.bits,) for t in tensors])):
+            ids[t.name] = TensorId(t.name, t.dtype.name, t.shape, digest)
+            progress.advance(ckpt.entry(t.name).nbytes)
+    progress.end()
+    return ids
+
+
+def checkpoint_digest_of(path: str | Path, precision: str = "exact", progress: Progress = SILENT) -> str:
+    """The digest a patch records for this checkpoint as base or target."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {precision!r}; choose exact or bf16")
+    with Checkpoint(path) as ckpt:
+        return checkpoint_digest(tensor_ids(TensorView(ckpt, precision), progress).values())

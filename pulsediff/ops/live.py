@@ -1,0 +1,562 @@
+"""Patches on live tensors: state dicts held in memory by a trainer or an inference worker.
+
+A trainer holds its new policy in memory and a worker holds the old one;
+neither should write a checkpoint file just to diff or patch it.
+
+- `make_patch` (pulsediff.ops.make) accepts a mapping of name -> torch tensor for
+  OLD and NEW (or a mapping for one and a checkpoint file for the other):
+  `StateDict` presents the mapping as a checkpoint whose single file is
+  what `safetensors.torch.save_file(mapping)` would write. So a patch made
+  from live tensors applies to files, and one made from files applies to
+  live tensors, bit for bit.
+- `apply_to_state_dict` patches a mapping of live tensors in place, touching
+  only the elements that change.
+
+What is checked, and what it costs (docs/FORMAT.md §7.1), in one of two ways:
+
+- `check="digests"` (the default for tensors in CPU memory, and for patches
+  older than format 1.2): the live tensors' digest is computed before anything
+  is written (every base tensor hashed, as for files), each tensor's rebuilt
+  values are checked against the patch's target hash before any of them is
+  written. CPU tensors are read in place; a CUDA tensor is copied to the host.
+- `check="sums"` (the default when a tensor lives on a GPU and the patch is
+  1.2 or later): every tensor's word sum (§3.1) is computed where it lives and
+  compared with the patch's base sums before anything is written; each patched
+  tensor is updated where it lives and its word sum checked against the
+  target's. For ctx-rans sections nothing but the entropy decode runs on the
+  host: the class counts, the rank walk and the in-place update run on the
+  tensor's device (kernels' `chunk_class_starts`, `ranked_positions`,
+  `add_at`), and only the changed elements' ranks and deltas cross the bus.
+
+Either way a failure part-way through restores the tensors already changed
+from an undo log of their old values at the changed positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from pulsediff.io.checkpoint import Checkpoint, ShardFile, TensorView
+from pulsediff.format.digest import TensorId, checkpoint_digest
+from pulsediff.io.dtypes import DTYPES, DType
+from pulsediff.errors import BaseMismatchError, CorruptPatchError, TensorMismatchError, UsageError
+from pulsediff.io.safetensors_header import ParsedHeader, TensorEntry, build_header
+
+__all__ = ["StateDict", "apply_to_state_dict", "state_dict_digest", "LiveApplyResult"]
+
+_BY_TORCH_NAME = {d.torch_name: d for d in DTYPES.values() if d.torch_name}
+# safetensors writes tensors sorted by dtype, in the order of its Rust `Dtype` enum, last first, then
+# by name; following it makes a state dict's patch the very patch of the file save_file writes
+# (tests/test_live.py checks this against the installed safetensors).
+_SAFETENSORS_DTYPE_RANK = {name: rank for rank, name in enumerate(
+    ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+     "F64", "I64", "U64"])}
+
+
+def dtype_of(tensor) -> DType:
+    name = str(tensor.dtype).removeprefix("torch.")
+    dtype = _BY_TORCH_NAME.get(name)
+    if dtype is None:
+        raise UsageError(f"tensors of {tensor.dtype} cannot be patched (safetensors has no such dtype)")
+    return dtype
+
+
+def host_bytes(tensor) -> np.ndarray:
+    """The tensor's bytes as a uint8 array: a view of its memory for a contiguous CPU tensor, else a copy."""
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return np.empty(0, np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class StateDict(Checkpoint):
+    """A mapping of name -> torch tensor seen as a one-file checkpoint.
+
+    The file is the one `safetensors.torch.save_file(tensors, metadata=...)`
+    writes: tensors ordered by dtype (safetensors' own order, last first),
+    then by name.
+    """
+
+    def __init__(self, tensors: Mapping, metadata: dict[str, str] | None = None):  # noqa: super() would open a path
+        import torch
+
+        self.path = Path("<state dict>")
+        self.kind = "file"
+        self.index_bytes = None
+        self._tensors = {}
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not name:
+                raise UsageError(f"state dict keys must be non-empty strings, not {name!r}")
+            if not isinstance(t, torch.Tensor):
+                raise UsageError(f"{name!r} is a {type(t).__name__}, not a torch tensor")
+            self._tensors[name] = t
+        dtypes = {name: dtype_of(t) for name, t in self._tensors.items()}
+        order = sorted(self._tensors, key=lambda n: (-_SAFETENSORS_DTYPE_RANK[dtypes[n].name], n))
+        entries, offset = [], 0
+        for name in order:
+            t = self._tensors[name]
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorEntry(name, dtypes[name], tuple(t.shape), offset, offset + nbytes))
+            offset += nbytes
+        raw = build_header(metadata, [(e.name, e.dtype.name, e.shape, e.nbytes) for e in entries])
+        self.shards = [ShardFile("", self.path, ParsedHeader(raw, metadata, tuple(entries)), None)]
+        self._where = {e.name: (self.shards[0], e) for e in entries}
+
+    def raw_bytes(self, name: str) -> np.ndarray:
+        return host_bytes(self._tensors[name])
+
+    def close(self) -> None:
+        pass
+
+
+def open_source(source) -> Checkpoint:
+    """A checkpoint from a path, a mapping of live tensors, or None (the empty checkpoint)."""
+    from pulsediff.io.checkpoint import open_checkpoint
+
+    return StateDict(source) if isinstance(source, Mapping) else open_checkpoint(source)
+
+
+def state_dict_digest(tensors: Mapping, precision: str = "exact") -> str:
+    """The digest a patch records for these tensors as base or target (same as for the saved file)."""
+    from pulsediff.ops.inspect import tensor_ids
+
+    return checkpoint_digest(tensor_ids(TensorView(StateDict(tensors), precision)).values())
+
+
+@dataclass(frozen=True)
+class LiveApplyResult:
+    status: str  # "applied" or "up-to-date"
+    changed_tensors: int  # tensors written to
+    changed_elements: int
+    target_digest: str
+
+
+CHECKS = ("auto", "digests", "sums")
+
+
+def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
+                        device: str | None = None, check: str = "auto", expect_target: str | None = None,
+                        expect_where: str = "the signed manifest") -> LiveApplyResult:
+    """Apply one patch, or a chain of patches in order, to live tensors in place.
+
+    `tensors` maps names to torch tensors (CPU or CUDA), e.g. `model.state_dict()`
+    (whose tensors share memory with the model's parameters). The patches'
+    target must have the same tensor names, dtypes and shapes as `tensors`:
+    a live model cannot grow or lose a tensor. Each patch is a path, a
+    binary stream or bytes. On any error the tensors are as they were.
+
+    `check` chooses how base and target are verified (module docstring):
+    "digests", "sums", or "auto" (sums when a tensor is on a GPU and the
+    patch carries them). `device` chooses the kernels of the digests path
+    (the sums path runs each tensor's kernels where the tensor is).
+    `expect_target` (a signed series: its entry's target digest): the last
+    patch must have that target, else UntrustedManifestError naming
+    `expect_where`, and the tensors are as they were.
+    """
+    if not isinstance(patches, list):
+        patches = [patches]
+    if not patches:
+        raise UsageError("give at least one patch")
+    if check not in CHECKS:
+        raise UsageError(f"unknown check {check!r}; choose one of {', '.join(CHECKS)}")
+    changed_tensors: set[str] = set()
+    changed_elements = 0
+    undo: list[_Undo] = []  # in write order
+    known: dict[str, int] = {}  # word sums known since the last patch (sums path)
+    status = "up-to-date"
+    target = ""
+    try:
+        for k, patch in enumerate(patches):
+            expect = (expect_target, expect_where) if expect_target is not None and k == len(patches) - 1 else None
+            step = _apply_one(tensors, patch, device, check, undo, known, expect)
+            target = step.target_digest
+            if step.status == "applied":
+                status = "applied"
+                changed_tensors |= step.names
+                changed_elements += step.elements
+    except BaseException as exc:
+        lost = _roll_back(undo)
+        if lost:
+            exc.add_note("not put back (interrupted during the write): " + ", ".join(sorted(set(lost))))
+        raise
+    return LiveApplyResult(status, len(changed_tensors), changed_elements, target)
+
+
+@dataclass
+class _Step:
+    status: str
+    target_digest: str
+    names: set
+    elements: int
+
+
+def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expect=None) -> _Step:
+    from pulsediff.ops.apply import open_patch, read_layout, rebuild_tensor
+    from pulsediff.codecs.base import Scratch
+    from pulsediff.ops.inspect import tensor_ids
+    from pulsediff.kernels import backend_for_gpu_data, cuda_backend, get_backend, parse_device
+
+    if isinstance(patch, (bytes, bytearray, memoryview)):
+        patch = io.BytesIO(bytes(patch))
+    reader, header, owned = open_patch(patch)
+    try:
+        if expect is not None and header.target_digest != expect[0]:
+            from pulsediff.errors import UntrustedManifestError
+
+            raise UntrustedManifestError(expect[1], f"the chain ending in {reader.source} rebuilds "
+                                                    f"{header.target_digest}, not {expect[0]}, the target its signed "
+                                                    f"entry names (a file changed between its check and its use?); "
+                                                    f"the tensors are as they were")
+        live = StateDict(tensors)
+        records = {r.name: r for r in header.tensors}
+        _check_structure(live, records)
+        for name, rec in records.items():  # written as stored: a bf16 patch needs BF16 live tensors
+            if live.entry(name).dtype is not rec.dtype:
+                raise TensorMismatchError(f"live tensor {name!r} is {live.entry(name).dtype.name}, "
+                                          f"the patch's target {rec.dtype.name}")
+        for name, t in tensors.items():
+            if not t.is_contiguous():  # a write through a copy would be lost
+                raise UsageError(f"live tensor {name!r} is not contiguous; patch contiguous tensors "
+                                 "(e.g. model.state_dict())")
+        has_sums = all(r.target_sum is not None for r in header.tensors)
+        if check == "sums" and not has_sums:
+            raise UsageError(f"{reader.source} carries no word sums (format 1.2 added them); "
+                             "apply it with check='digests'")
+        on_gpu = any(t.device.type != "cpu" for t in tensors.values())
+        use_sums = check == "sums" or (check == "auto" and on_gpu and has_sums)
+        if use_sums and on_gpu:
+            if check == "sums" and parse_device(device) != "cpu":
+                cuda_backend()  # asked for: DeviceUnavailableError with the cause when CUDA cannot run
+            elif check == "sums":
+                raise UsageError("check='sums' on GPU tensors runs the CUDA kernels; device='cpu' excludes "
+                                 "them (use check='digests')")
+            elif backend_for_gpu_data(device) is None:
+                # `cpu` asked for, or a CUDA stack that cannot run (said once): the digests path
+                # checks on host copies and writes the changed elements through torch.
+                use_sums = False
+        if use_sums:
+            aliases = _aliases(tensors)
+            views = {name: device_bits(t) for name, t in tensors.items() if name not in aliases}
+            return apply_by_sums(views, reader, header, undo, known, aliases)
+        known.clear()
+        ids = tensor_ids(TensorView(live, header.precision))
+        digest = checkpoint_digest(ids.values())
+        if digest == header.target_digest:
+            return _Step("up-to-date", digest, set(), 0)
+        anchor = header.base_digest == checkpoint_digest([])  # every tensor carried whole: any live state takes it
+        if digest != header.base_digest and not anchor:
+            raise BaseMismatchError(header.base_digest, digest, "the live tensors are not the patch's base")
+        if checkpoint_digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in header.tensors) \
+                != header.target_digest:
+            raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
+        backend = get_backend(device)  # the rebuild runs on host copies
+        scratch = Scratch()
+        # Decode and check every tensor first, keeping only its changes; write nothing yet.
+        changes: list[tuple[str, np.ndarray, np.ndarray]] = []
+        read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
+        for rec in header.tensors:  # sections are read in order: works on streams
+            payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+            if payload is None:
+                continue
+            base = live.raw_bytes(rec.name).view(rec.dtype.bits_dtype)
+            new = rebuild_tensor(rec, payload, base if rec.op == "patch" else None, backend, reader.source, scratch)
+            positions = np.flatnonzero(new != base)
+            changes.append((rec.name, positions, new[positions].copy(), base[positions].copy()))
+        for f in header.files:  # a model folder's config and tokenizer: checked, not used here
+            if f.section is not None:
+                reader.read_next(f.section, f"file {f.name!r}")
+        reader.expect_end(header.sections_length)
+        names, elements = set(), 0
+        for name, positions, values, old in changes:
+            if positions.size:
+                view = _writable_bits(tensors[name])
+                undo.append(_Undo(name, view, positions, old))
+                _scatter(view, positions, values)
+                names.add(name)
+                elements += int(positions.size)
+        return _Step("applied", header.target_digest, names, elements)
+    finally:
+        if owned:
+            owned.close()
+
+
+# -- the sums path: live tensors checked and patched where they live -------------------
+
+
+def device_bits(tensor):
+    """The tensor's elements as flat unsigned bit patterns over its own memory: a NumPy view of
+    a CPU tensor, a Numba device array over a CUDA tensor's (zero-copy both)."""
+    if tensor.device.type == "cpu":
+        return host_bytes(tensor).view(dtype_of(tensor).bits_dtype)
+    from pulsediff.kernels import cuda_backend
+
+    return cuda_backend().device_bits(_bits_view(tensor))
+
+
+def _writable_bits(tensor):
+    """The tensor's elements as flat bit patterns to write into, with no CUDA kernels: a NumPy
+    view of a CPU tensor, a torch integer view of a GPU one (the digests path's writes)."""
+    return host_bytes(tensor).view(dtype_of(tensor).bits_dtype) if tensor.device.type == "cpu" else _bits_view(tensor)
+
+
+def _kernels_for(view):
+    """The kernels that run where `view` lives (a NumPy array, or a Numba device array)."""
+    from pulsediff.kernels import cuda_backend, get_backend
+
+    return get_backend("cpu") if isinstance(view, np.ndarray) else cuda_backend()
+
+
+def _scatter(view, positions: np.ndarray, values: np.ndarray) -> None:
+    """view[positions] = values, where the view lives."""
+    if _is_torch(view):
+        import torch
+
+        index = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(view.device)
+        view[index] = torch.from_numpy(np.ascontiguousarray(values).view(_signed(view))).to(view.device)
+    else:
+        _kernels_for(view).scatter(view, positions, values)
+
+
+def _is_torch(view) -> bool:
+    return type(view).__module__.startswith("torch")
+
+
+def _signed(view) -> np.dtype:
+    return np.dtype(f"i{view.element_size()}") if view.element_size() > 1 else np.dtype(np.uint8)
+
+
+def _host_copy(view) -> np.ndarray:
+    """A host array of the view's values that later writes to the view do not change."""
+    return view.copy() if isinstance(view, np.ndarray) else view.copy_to_host()
+
+
+@dataclass
+class _Undo:
+    """Written elements of one tensor: `positions` None for the whole tensor. `old` is filled
+    once the write returns; an entry without it cannot be put back (and is named)."""
+
+    name: str
+    view: object
+    positions: object
+    old: object = None
+
+
+def _aliases(tensors: Mapping) -> dict[str, str]:
+    """Names whose tensor is another name's very memory (tied weights: the same tensor under two
+    names), mapped to that name; tensors that overlap otherwise are refused."""
+    spans = sorted(((str(t.device), t.data_ptr(), t.numel() * t.element_size(), name)
+                    for name, t in tensors.items() if t.numel()), key=lambda x: x[:2])
+    aliases, previous = {}, None
+    for span in spans:
+        if previous and span[0] == previous[0] and span[1] < previous[1] + previous[2]:
+            if span[1:3] != previous[1:3] or tensors[span[3]].dtype != tensors[previous[3]].dtype:
+                raise UsageError(f"live tensors {previous[3]!r} and {span[3]!r} overlap in memory")
+            aliases[span[3]] = previous[3]
+            continue
+        previous = span
+    return aliases
+
+
+def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, aliases: Mapping = {}) -> "_Step":
+    """One patch into `views` (name -> flat bit patterns, host or device arrays), checked by
+    word sums (FORMAT.md §7.1). `known` holds sums verified by the previous patch of a chain
+    and is updated; every write is logged in `undo` before it happens. `aliases` maps a name
+    to the name whose memory it shares (it has no view of its own): it is written through
+    that one, and must end with the same target."""
+    from pulsediff.ops.apply import read_layout, rebuild_tensor
+    from pulsediff.codecs import get_codec
+    from pulsediff.codecs.base import Scratch, SectionContext
+
+    views = dict(views)
+    views.update({alias: views[name] for alias, name in aliases.items()})
+    records = header.tensors
+    by_name = {r.name: r for r in records}
+    for alias, name in aliases.items():
+        if by_name[alias].target_sum != by_name[name].target_sum or by_name[alias].target_hash != by_name[name].target_hash:
+            raise UsageError(f"live tensors {name!r} and {alias!r} share memory, but the patch gives them "
+                             "different values")
+    sums = {r.name: known[r.name] if r.name in known else _kernels_for(views[r.name]).word_sum(views[r.name])
+            for r in records}
+    known.clear()
+    known.update(sums)
+    if all(sums[r.name] == int(r.target_sum, 16) for r in records):
+        return _Step("up-to-date", header.target_digest, set(), 0)
+    if header.base_digest != checkpoint_digest([]):  # an anchor's base is any tensors of the target's shapes
+        for r in records:
+            if r.base_sum is not None and sums[r.name] != int(r.base_sum, 16):
+                raise BaseMismatchError(header.base_digest, f"word sum {sums[r.name]:016x} for {r.name!r}",
+                                        f"the live tensor {r.name!r} is not the patch's base (base word sum "
+                                        f"{r.base_sum})")
+    if checkpoint_digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in records) \
+            != header.target_digest:
+        raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
+    read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
+    scratch = Scratch()
+    names, elements, counts = set(), 0, {}
+    # sections in order (works on streams); the generator is closed, its pool joined, on any exit
+    with contextlib.closing(_decoded_ahead(records, reader, aliases)) as sections:
+        for rec, payload, decoded in sections:
+            view = views[rec.name]
+            kernels = _kernels_for(view)
+            ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
+            codec = get_codec(rec.section.codec)
+            located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
+                if rec.op == "patch" else None
+            if located is not None:
+                positions, deltas = located
+                count = rec.changed
+                entry = _Undo(rec.name, view, positions)
+                undo.append(entry)
+                entry.old, bad = kernels.add_at(view, positions, deltas)
+                if bad:  # cannot happen once every entry was found; the kernel checks all the same
+                    raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
+            else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
+                base = _host_copy(view) if rec.op == "patch" else None
+                new = rebuild_tensor(rec, payload, base, _kernels_for(np.empty(0)), reader.source, scratch)
+                if base is None:
+                    entry = _Undo(rec.name, view, None)
+                    undo.append(entry)
+                    entry.old = _host_copy(view)
+                    count = int(np.count_nonzero(new != entry.old))
+                    _overwrite(view, new)
+                else:
+                    positions = np.flatnonzero(new != base)
+                    count = int(positions.size)
+                    entry = _Undo(rec.name, view, positions, base[positions])
+                    undo.append(entry)
+                    kernels.scatter(view, positions, new[positions])
+            if kernels.word_sum(view) != int(rec.target_sum, 16):
+                raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
+            known[rec.name] = int(rec.target_sum, 16)
+            counts[rec.name] = count
+            if count:
+                names.add(rec.name)
+                elements += count
+    for f in header.files:  # a model folder's config and tokenizer: checked, not used here
+        if f.section is not None:
+            reader.read_next(f.section, f"file {f.name!r}")
+    reader.expect_end(header.sections_length)
+    for alias, name in aliases.items():  # counted per name, as the digests path does
+        known[alias] = known[name]
+        if counts.get(name):
+            names.add(alias)
+            elements += counts[name]
+    return _Step("applied", header.target_digest, names, elements)
+
+
+# Sections decoded ahead of the one being placed: bounded by count (the worker threads, at
+# most DECODE_AHEAD_SECTIONS) and by what they hold once decoded (~9 bytes per change: an int64
+# rank and a delta, about ten times the payload's ~1 byte), so memory stays near this whatever
+# the patch.
+DECODE_AHEAD_BYTES = 1 << 30
+DECODE_AHEAD_SECTIONS = 16
+
+
+def _decoded_ahead(records, reader, aliases):
+    """(record, payload, decoded entries or None) for every section that is written, in order.
+
+    The payloads are read in order (a patch may be a stream); the host half of each `patch`
+    section's locate (its entropy decode, `Codec.decode_changes`) runs on worker threads, as
+    many sections ahead as there are threads, so the CPU decodes the next tensors while this
+    one is placed and added on its device. A failed decode is raised when its turn comes;
+    nothing decoded is used before its turn."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    from pulsediff.codecs import get_codec
+    from pulsediff.codecs.base import SectionContext
+    from pulsediff.kernels.threads import num_threads
+
+    depth = min(num_threads(), DECODE_AHEAD_SECTIONS)
+    pending: deque = deque()
+    in_flight = 0
+    pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="pulsediff-decode") if depth > 1 else None
+    try:
+        for rec in records:
+            payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
+            if payload is None or rec.name in aliases:  # an alias is written through its own name
+                continue
+            future = None
+            if pool is not None and rec.op == "patch":
+                codec = get_codec(rec.section.codec)
+                ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
+                future = pool.submit(codec.decode_changes, payload, rec.section.params, ctx)
+            pending.append((rec, payload, future))
+            in_flight += _decoded_bytes(rec, payload)
+            while len(pending) > depth or (len(pending) > 1 and in_flight > DECODE_AHEAD_BYTES):
+                rec0, payload0, future0 = pending.popleft()
+                in_flight -= _decoded_bytes(rec0, payload0)
+                yield rec0, payload0, future0.result() if future0 is not None else None
+        while pending:
+            rec0, payload0, future0 = pending.popleft()
+            yield rec0, payload0, future0.result() if future0 is not None else None
+    finally:
+        if pool is not None:
+            for _, _, future in pending:
+                if future is not None:
+                    future.cancel()
+            wait([f for _, _, f in pending if f is not None])
+            pool.shutdown(wait=True)
+
+
+def _decoded_bytes(rec, payload: bytes) -> int:
+    """What a section holds in memory until its turn: its payload and its decoded entries."""
+    return len(payload) + 9 * rec.changed
+
+
+def _overwrite(view, values: np.ndarray) -> None:
+    if _is_torch(view):
+        import torch
+
+        view.copy_(torch.from_numpy(np.ascontiguousarray(values).view(_signed(view))))
+    elif isinstance(view, np.ndarray):
+        view[...] = values.view(view.dtype)
+    else:
+        view.copy_to_device(np.ascontiguousarray(values).view(view.dtype))
+
+
+def _check_structure(live: StateDict, records: dict) -> None:
+    have, want = set(live.names), set(records)
+    if have != want:
+        extra, missing = sorted(have - want), sorted(want - have)
+        what = f"the patch lacks {extra[0]!r}" if extra else f"the live tensors lack {missing[0]!r}"
+        raise TensorMismatchError(f"the patch's target has other tensors than the live ones ({what}); "
+                                  "live tensors can only be patched, not added or removed")
+    for name, rec in records.items():
+        if live.entry(name).shape != rec.shape:
+            raise TensorMismatchError(f"live tensor {name!r} has shape {list(live.entry(name).shape)}, "
+                                      f"the patch's target {list(rec.shape)}")
+
+
+def _bits_view(tensor):
+    """The tensor's elements as signed integers of the same width (torch has few unsigned types)."""
+    from pulsediff.kernels.class_sort import signed_view
+
+    return signed_view(tensor.detach())
+
+
+def _roll_back(undo: list) -> list:
+    """Put back every logged write, newest first; returns the names of tensors that could not be
+    (a write interrupted before its old values came back)."""
+    lost = []
+    for entry in reversed(undo):
+        if entry.old is None:
+            lost.append(entry.name)
+        elif entry.positions is None:
+            _overwrite(entry.view, entry.old)
+        else:
+            _scatter(entry.view, entry.positions, entry.old)
+    undo.clear()
+    return lost

@@ -1,0 +1,399 @@
+"""Catching up: a worker follows a published series (publish.py) to its newest step.
+
+`catch_up` reads the manifest, finds the cheapest path (in bytes) from a
+worker's checkpoint (or from nothing, through an anchor) to the newest step,
+checks every file on it and applies it as one chain; a missing or damaged file
+is dropped from the graph and another path tried, so the result is the newest
+checkpoint or an error, never a wrong checkpoint. `catch_up_state_dict` does
+the same for live tensors in memory. The source is a folder, an S3 prefix or
+an HTTP(S) URL, read through a `Store` (store.py), which downloads and caches.
+
+Signed series (signing.py, docs/FORMAT.md §8.1): `catch_up(trust=KEYS)` uses
+only a manifest signed by one of KEYS, not older than one it accepted before,
+and only files whose SHA-256 is the one that manifest names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pulsediff.errors import CheckpointNotFoundError, InvalidManifestError, PulsediffError, refuse_existing
+from pulsediff.format.digest import checkpoint_digest
+from pulsediff.format.manifest import MANIFEST, Entry, Manifest, cheapest_paths, file_sha256
+from pulsediff.io.checkpoint import Checkpoint, TensorView
+from pulsediff.runtime.progress import SILENT, Progress
+from pulsediff.series.store import Folder, Store, open_store, size_problem
+
+MAX_SEARCHES = 32  # chains tried by one catch-up before damaged files make it give up
+
+
+# -- catching up -----------------------------------------------------------------------
+#
+# The manifest chooses the chain; the files decide what is true. Every file on
+# the chain is checked before use: its size against its entry (a half-fetched
+# file), its checksums (damage), and its own header's precision, base and
+# target digests against its entry (a mislabelled file). A missing or damaged
+# file is dropped and another chain tried; a file that is intact but says
+# something else than the manifest makes the manifest untrustworthy, so
+# catch-up stops. The step reported is the one the manifest lists for the
+# digest of what was actually rebuilt.
+
+
+@dataclass(frozen=True)
+class CatchUpResult:
+    status: str  # "up-to-date", "applied", or "partial" (the newest step is unreachable; `step` is how far it got)
+    output: Path
+    step: int
+    files: list[str]  # the chain applied, in order
+    from_anchor: bool
+    skipped: list[str]  # files found missing or damaged on the way
+    problems: dict[str, str] = field(default_factory=dict)  # skipped file -> what was wrong with it
+
+
+@dataclass(frozen=True)
+class CatchUpPlan:
+    step: int  # the newest published step
+    files: list[str]  # the chain catch-up would apply, in order; empty when already there
+    from_anchor: bool
+    urls: list[str] = field(default_factory=list)  # where each file is: its name in a folder, its URL remotely
+
+
+def read_source_manifest(source: Store, trust, *, record: bool = True) -> Manifest | None:
+    """The source's manifest; with `trust` (signing.Trust), only one signed by a trusted key, not older than
+    one accepted before (recorded unless `record` is false)."""
+    if trust is None:
+        return source.read_manifest()
+    from pulsediff.series.signing import read_signed_manifest
+
+    return read_signed_manifest(source, trust, record=record)
+
+
+def _where_we_are(checkpoint: Path, source: Store, progress: Progress, trust=None, record: bool = True):
+    """(manifest, the checkpoint's tensor ids or None, its digest or None)."""
+    from pulsediff.ops.inspect import tensor_ids
+
+    manifest = read_source_manifest(source, trust, record=record)
+    if manifest is None or not manifest.entries:
+        raise CheckpointNotFoundError(_shown(source, MANIFEST), "manifest")
+    ids = None  # hashed once here, handed to apply
+    if checkpoint.exists():
+        with Checkpoint(checkpoint) as ckpt:
+            ids = tensor_ids(TensorView(ckpt, manifest.precision), progress)
+    return manifest, ids, checkpoint_digest(ids.values()) if ids is not None else None
+
+
+def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
+    """(step, digest) of every step newer than the checkpoint's, newest first: when the newest cannot
+    be reached (its only patch is damaged, say), the newest reachable step is still progress."""
+    have_step = manifest.step_of(have) if have else None
+    floor = -1 if have_step is None else have_step
+    return sorted({(e.step, e.target) for e in manifest.entries if e.step > floor}, reverse=True)
+
+
+def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress: Progress = SILENT, trust=None,
+                  trust_state: Path | None = None) -> CatchUpPlan:
+    """The files catch-up would apply, judged from the manifest alone (the files need not be here).
+
+    For fetching only what is needed: a worker that mirrors the whole folder
+    would also download every anchor, each nearly the size of the checkpoint.
+    `urls` holds where each file is: its name for a folder (for `rsync
+    --files-from`), its URL for a remote source. `trust`: as catch_up's (the
+    rollback record is checked, not written).
+    """
+    from pulsediff.series.signing import as_trust
+
+    trust = as_trust(trust, trust_state)
+    source = open_store(patch_dir)
+    manifest, _, have = _where_we_are(checkpoint, source, progress, trust, record=False)
+    newest = manifest.newest
+    if have == newest.target:
+        return CatchUpPlan(newest.step, [], False)
+    paths = cheapest_paths(manifest.entries, have)
+    if not paths.reaches(newest.target):
+        raise PulsediffError(f"the manifest in {source.location} has no chain from {checkpoint} to step {newest.step}")
+    path = paths.path_to(newest.target)
+    return CatchUpPlan(newest.step, [e.file for e in path], path[0].kind == "anchor", [source.where(e.file) for e in path])
+
+
+def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None = None, *, device: str | None = None,
+             cache: Path | None = None, progress: Progress = SILENT, force: bool = False, trust=None,
+             trust_state: Path | None = None) -> CatchUpResult:
+    """Bring `checkpoint` (or a new `out`) to the newest step published at `patch_dir`: a folder, an
+    `s3://bucket/prefix` or `http(s)://` URL (files are fetched into `cache`), or a Store. An existing
+    `out` (other than `checkpoint`) is refused unless `force`.
+
+    `trust`: public keys (`ed25519:...` lines, files of them, or a signing.Trust). Then the manifest must
+    be signed by one of them and not older than the newest accepted before from this source under any
+    trusted key (the record in `trust_state`, default signing.default_state_file()), and every file must have the
+    SHA-256 the manifest names; otherwise UntrustedManifestError, and nothing is written."""
+    from pulsediff.series.signing import as_trust
+
+    trust = as_trust(trust, trust_state)
+    checkpoint = Path(checkpoint)
+    if out is not None:
+        out = Path(out)
+        if not _same_path(out, checkpoint):
+            refuse_existing(out, force)
+    source = open_store(patch_dir, cache=cache)
+    # A trusting worker reads a local folder's files through private copies (a remote source's through its
+    # own cache): a file the folder's writer swaps after its check is never the one applied.
+    private = PrivateCopies(cache) if trust is not None and not source.remote else None
+    try:
+        return _catch_up(checkpoint, source, out, device, progress, trust, private)
+    finally:
+        if private is not None:
+            private.close()
+        if source is not patch_dir:
+            source.close()
+
+
+def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | None,
+              progress: Progress, trust=None, private: "PrivateCopies | None" = None) -> CatchUpResult:
+    from pulsediff.ops.apply import apply_chain
+
+    manifest, ids, have = _where_we_are(checkpoint, source, progress, trust)
+    newest = manifest.newest
+    out_path = out or checkpoint
+    where = _shown(source, MANIFEST)
+
+    def check(path: Path, e: Entry) -> str | None:
+        if private is None:
+            return check_file(path, e, manifest.precision, where, authenticate=trust is not None)
+        return check_file(path, e, manifest.precision, where, authenticate=True, private=private.path(e.file))
+
+    def used(name: str) -> Path:  # the file checked: its private copy, when one was made
+        return private.path(name) if private is not None else source.path(name)
+
+    def expect(digest: str) -> str | None:  # with trust, what the chain must rebuild: the signed entry's target
+        return digest if trust is not None else None
+
+    if have == newest.target:
+        if out is not None and not _same_path(out, checkpoint):  # the copy goes through a checked file
+            problem = source.fetch([newest], check, progress).get(newest.file)
+            if problem is not None:
+                raise PulsediffError(f"{checkpoint} is at step {newest.step}, but {out} cannot be written from "
+                                     f"{newest.file}: {problem}")
+            # An `out` that already is the target (given with force) is left as it is.
+            apply_chain(checkpoint, [used(newest.file)], out, device=device, progress=progress, base_ids=ids,
+                        force=True, expect_target=expect(newest.target), expect_where=where)
+            source.forget([newest.file], {e.file for e in manifest.entries})
+        return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
+    goals = _goals(manifest, have)
+    problems = source.known_problems(manifest.entries)
+    trusted: set[str] = set()
+    for _ in range(MAX_SEARCHES):  # one search, then again only after a file on the chosen chain turned out damaged
+        paths = cheapest_paths(manifest.entries, have, set(problems))
+        goal = next((digest for _, digest in goals if paths.reaches(digest)), None)
+        if goal is None:
+            raise PulsediffError(
+                f"cannot reach any newer step from {checkpoint}: no intact chain in {source.location}"
+                + (f" ({_describe(problems)})" if problems else ""))
+        chain = paths.path_to(goal)
+        new = [e for e in chain if e.file not in trusted]
+        found = source.fetch(new, check, progress)  # fetched (when remote) and checked
+        problems.update(found)
+        trusted.update(e.file for e in new if e.file not in found)
+        if all(e.file in trusted for e in chain):
+            break
+    else:
+        raise PulsediffError(f"gave up after finding damaged files on {MAX_SEARCHES} chains in {source.location} "
+                             f"({_describe(problems)})")
+    from_anchor = chain[0].kind == "anchor"
+    # force: the checkpoint itself is replaced (catch-up's job), and an existing `out` was refused before unless forced.
+    result = apply_chain(None if from_anchor else checkpoint, [used(e.file) for e in chain], out_path,
+                         device=device, progress=progress, base_ids=None if from_anchor else ids, force=True,
+                         expect_target=expect(goal), expect_where=where)
+    source.forget([e.file for e in chain], {e.file for e in manifest.entries})
+    step = manifest.step_of(result.header.target_digest)  # the digest rebuilt and verified, not a label
+    status = "applied" if step == newest.step else "partial"
+    # Worth saying: what was found wrong, and files missing from the chain the manifest itself points to
+    # (a worker that fetched only its plan lacks every other file, and that is no news).
+    planned = cheapest_paths(manifest.entries, have)
+    expected = {e.file for e in planned.path_to(newest.target)} if planned.reaches(newest.target) else set()
+    problems = {f: why for f, why in problems.items() if why != "missing" or f in expected}
+    return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems)
+
+
+def _shown(store: Store, name: str) -> str:
+    return store.shown(name)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    return a == b or a.resolve() == b.resolve()
+
+
+def _describe(problems: dict[str, str]) -> str:
+    shown = sorted(problems.items())[:10]
+    more = f", and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    return "; ".join(f"{name}: {why}" for name, why in shown) + more
+
+
+def check_file(path: Path, e: Entry, precision: str, manifest_where: str, authenticate: bool = False,
+                private: Path | None = None) -> str | None:
+    """Why the file for entry `e`, at `path`, cannot be used (missing, half-fetched, damaged), or None.
+
+    A file that is intact but whose header contradicts its entry raises:
+    then the manifest is not telling the truth about the series. `authenticate`
+    (a signed manifest): the file's SHA-256 must be its entry's, checked before
+    the patch reader sees a byte of it; another file is not the publisher's,
+    and is skipped like a damaged one. `private` (with `authenticate`): the
+    file is copied there through the descriptor it is hashed from, and the
+    copy is what is checked, and what the caller must apply (removed here
+    when it cannot be used).
+    """
+    problem = size_problem(path, e)
+    if problem is not None:
+        return problem
+    if authenticate:
+        try:
+            sha256 = file_sha256(path) if private is None else _copy_hashing(path, private, e.bytes)
+        except OSError as exc:
+            _discard(private)
+            return f"unreadable ({exc.strerror or exc})"
+        if sha256 != e.sha256:
+            _discard(private)
+            return "not the file the signed manifest names (its SHA-256 differs)"
+        if private is not None:
+            path = private
+            problem = _checked_header(path, e, precision, manifest_where)
+            if problem is not None:
+                _discard(private)
+            return problem
+    return _checked_header(path, e, precision, manifest_where)
+
+
+def _checked_header(path: Path, e: Entry, precision: str, manifest_where: str) -> str | None:
+    from pulsediff.ops.apply import verify_patch_file
+
+    try:
+        header = verify_patch_file(path)
+    except PulsediffError as exc:
+        return f"damaged ({exc})"
+    said = (precision, e.base, e.target, e.target_bytes)
+    found = (header.precision, header.base_digest, header.target_digest, header.target_bytes)
+    if found != said:
+        what = [w for w, a, b in zip(("precision", "base digest", "target digest", "target size"), said, found) if a != b]
+        raise InvalidManifestError(manifest_where,
+                                   f"the entry for {e.file} (step {e.step}) does not match the file's own header "
+                                   f"({', '.join(what)} differ); nothing was applied")
+    return None
+
+
+# -- live tensors ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveCatchUp:
+    status: str  # "applied" or "up-to-date"
+    step: int | None  # the step the manifest lists for the digest the tensors now have
+    links: int  # patch files applied
+    changed_elements: int
+    digest: str = ""  # the digest the tensors now have (pass it to the next catch-up)
+
+
+def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: str | None = None,
+                        check: str = "auto", digest: str | None = None, trust=None,
+                        trust_state: str | Path | None = None) -> LiveCatchUp:
+    """`pulsediff catch-up` for live tensors: follow a published series folder (pulsediff publish)
+    to its newest step in place, by the cheapest chain of intact patches from the tensors' digest.
+
+    `digest`: the digest the tensors are known to have (the `target_digest` of the last
+    apply), which spares hashing them on the host to find where they are in the series (on
+    a GPU, a copy of every tensor); the chain's first patch checks the base all the same
+    (by word sums under check="sums"), though a `digest` that names the newest step is
+    taken at its word. `check` is apply_to_state_dict's. `trust` and `trust_state`: as
+    series.catch_up's (a signed series: the manifest signed by a trusted key and not older than
+    one accepted before, each file's SHA-256 the one it names)."""
+    from pulsediff.ops.live import apply_to_state_dict, state_dict_digest
+    from pulsediff.series.signing import as_trust
+
+    folder = Path(folder)
+    trust = as_trust(trust, trust_state)
+    manifest = read_source_manifest(Folder(folder), trust)
+    if manifest is None or manifest.newest is None:
+        raise PulsediffError(f"{folder} holds no published series (no manifest.json with entries)")
+    newest = manifest.newest
+    if digest is None:
+        digest = state_dict_digest(tensors, manifest.precision)
+    if digest == newest.target:
+        return LiveCatchUp("up-to-date", manifest.step_of(digest), 0, 0, digest)
+    # With trust, every file is copied while hashed and applied from that private copy: one swapped in
+    # the folder after its check is never read (series.PrivateCopies).
+    private = PrivateCopies() if trust is not None else None
+    try:
+        drop: set[str] = set()
+        for _ in range(MAX_SEARCHES):
+            chain = cheapest_paths(manifest.entries, digest, drop)
+            if not chain.reaches(newest.target):
+                raise PulsediffError(f"no intact chain of patches in {folder} leads from the live tensors "
+                                     f"({digest}) to step {newest.step}")
+            links = chain.path_to(newest.target)
+            bad = next((e for e in links if check_file(
+                folder / e.file, e, manifest.precision, str(folder), authenticate=trust is not None,
+                private=private.path(e.file) if private is not None else None) is not None), None)
+            if bad is None:
+                break
+            drop.add(bad.file)
+        else:
+            raise InvalidManifestError(str(folder), f"no intact chain after {MAX_SEARCHES} searches")
+        result = apply_to_state_dict(
+            tensors, [private.path(e.file) if private is not None else folder / e.file for e in links],
+            device=device, check=check, expect_target=newest.target if trust is not None else None,
+            expect_where=str(folder / "manifest.json"))
+    finally:
+        if private is not None:
+            private.close()
+    return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links), result.changed_elements,
+                       result.target_digest)
+
+
+# -- private copies: what a trusting worker checks is what it applies --------------------------------------
+
+PRIVATE_PREFIX = "pulsediff-trusted-"
+
+
+class PrivateCopies:
+    """A private temporary folder (mode 0700, in `parent` or the system's temporary folder) holding a copy
+    of each file of a local series a trusting worker uses, made while the file is hashed (check_file):
+    whoever can write the series folder cannot change a file between its check and its use. Removed by
+    `close`."""
+
+    def __init__(self, parent: Path | None = None):
+        self.parent = Path(parent) if parent is not None else None
+        self.folder: Path | None = None
+
+    def path(self, name: str) -> Path:
+        if self.folder is None:
+            if self.parent is not None:
+                self.parent.mkdir(parents=True, exist_ok=True)
+            self.folder = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=self.parent))
+        return self.folder / name
+
+    def close(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+
+def _copy_hashing(src: Path, dst: Path, size: int) -> str:
+    """Copy `src` to `dst` (at most size + 1 bytes: a longer file is not the signed one) through one open
+    descriptor; the SHA-256 of what was copied."""
+    h = hashlib.sha256()
+    dst.unlink(missing_ok=True)
+    with open(src, "rb") as f, open(dst, "xb") as out:
+        left = size + 1
+        while left > 0 and (chunk := f.read(min(1 << 20, left))):
+            h.update(chunk)
+            out.write(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def _discard(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
