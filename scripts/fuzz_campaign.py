@@ -26,6 +26,14 @@ place on a sharded folder. After each: the base is unchanged; the output is
 absent or complete and correct; an in-place folder, once pulsediff has opened
 it again, is the old checkpoint or the new one, never a mix; and the next
 apply succeeds and leaves no temporary file.
+
+Shrink trials (`--shrink-trials N`, 30 by default): an input truncated while
+pulsediff reads it (issue 23: a trainer overwriting its checkpoint, a sync
+tool replacing it, a full disk), at a random moment to a random length: the
+base during `apply`, the base and the new checkpoint during `make`. After
+each: no death by a signal (SIGBUS was the failure), either success with a
+correct output (the shrink came after the last read) or exit 1 with one line
+naming the file and no output, and no temporary file left.
 """
 
 from __future__ import annotations
@@ -360,6 +368,94 @@ def kill_trials(n: int, root: Path, seed: int = 0) -> dict:
     return results
 
 
+# -- shrink trials: inputs truncated while they are read ------------------------------
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "pulsediff.cli.main", *map(str, args)]
+
+
+def shrink_trials(n: int, root: Path, seed: int = 0) -> dict:
+    from pulsediff import apply_patch
+
+    data = build_kill_corpus(root / "corpus")
+    old, new, patch = data["file"]
+    rng = random.Random(seed)
+    results = {}
+    for mode in ("apply: base", "make: base", "make: new"):
+        victim_of = {"apply: base": old, "make: base": old, "make: new": new}[mode]
+
+        def command(trial: Path, victim: Path) -> tuple[list[str], Path]:
+            if mode == "apply: base":
+                return _cli("apply", victim, patch, "-o", trial / "out" / "ckpt.safetensors", "-q"), \
+                    trial / "out" / "ckpt.safetensors"
+            pair = (victim, new) if mode == "make: base" else (old, victim)
+            return _cli("make", *pair, "-o", trial / "out" / "p.pulsediff", "-q"), trial / "out" / "p.pulsediff"
+
+        durations = []
+        for _ in range(3):  # how long the command takes, start-up included: the window to shrink in
+            trial = root / "time"
+            shutil.rmtree(trial, ignore_errors=True)
+            (trial / "out").mkdir(parents=True)
+            shutil.copy(victim_of, trial / "victim.safetensors")
+            cmd, _ = command(trial, trial / "victim.safetensors")
+            t = time.monotonic()
+            subprocess.run(cmd, check=True, capture_output=True)
+            durations.append(time.monotonic() - t)
+        window = statistics.median(durations)
+        counts = Counter()
+        problems = []
+        for t in range(n):
+            trial = root / f"shrink-{t}"
+            shutil.rmtree(trial, ignore_errors=True)
+            (trial / "out").mkdir(parents=True)
+            victim = trial / "victim.safetensors"
+            shutil.copy(victim_of, victim)
+            size = victim.stat().st_size
+            at, keep = rng.uniform(0, 1.1 * window), int(size * rng.uniform(0, 0.95))
+            cmd, out = command(trial, victim)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            time.sleep(at)
+            os.truncate(victim, keep)
+            stdout, stderr = proc.communicate(timeout=600)
+            err = stderr.decode(errors="replace").strip()
+            left = [p.name for p in (trial / "out").iterdir() if p.name.startswith(".")]
+            problem = None
+            if proc.returncode < 0:
+                problem = f"died of signal {-proc.returncode}"
+            elif proc.returncode == 0:
+                counts["finished (the shrink came after the reads)"] += 1
+                if mode == "apply: base":
+                    ok = out.read_bytes() == new.read_bytes()
+                else:
+                    rebuilt = trial / "rebuilt.safetensors"
+                    apply_patch(old, out, rebuilt, device="cpu")
+                    ok = rebuilt.read_bytes() == new.read_bytes()
+                if not ok:
+                    problem = "exit 0 with a wrong output"
+            elif proc.returncode == 1:
+                counts["refused"] += 1
+                if len(err.splitlines()) != 1 or "Traceback" in err:
+                    problem = f"not one line: {err[-300:]!r}"
+                elif "victim.safetensors" not in err:
+                    problem = f"the message does not name the file: {err!r}"
+                elif out.exists():
+                    problem = "an output was left under its real name"
+                else:  # what the refusal said, the trial's path taken out
+                    counts["refused: " + err.replace(str(trial), "T")[:90]] += 1
+            else:
+                problem = f"exit {proc.returncode}: {err[-300:]!r}"
+            if left:
+                problem = (problem + "; " if problem else "") + f"temporaries left: {left}"
+            if problem:
+                problems.append(f"trial {t} (truncated to {keep} of {size} bytes at {at:.3f} s): {problem}")
+            shutil.rmtree(trial, ignore_errors=True)
+        results[mode] = {"trials": n, "command_s_median": round(window, 3), "counts": dict(counts),
+                         "problems": problems}
+        print(f"shrink trials, {mode}: {dict(counts)}; problems: {len(problems)}", flush=True)
+    return results
+
+
 # -- main ----------------------------------------------------------------------------
 
 
@@ -380,6 +476,7 @@ def main() -> None:
     ap.add_argument("--mem-gib", type=float, default=2.0, help="RLIMIT_AS of each worker")
     ap.add_argument("--numba-threads", type=int, default=1, help="NUMBA_NUM_THREADS of each worker")
     ap.add_argument("--kill-trials", type=int, default=50, help="per kind of apply; 0 to skip")
+    ap.add_argument("--shrink-trials", type=int, default=30, help="per input truncated while read; 0 to skip")
     ap.add_argument("--kinds", nargs="*", help="only these case kinds")
     ap.add_argument("--seed-offset", type=int, default=0)
     ap.add_argument("--root", type=Path, help="where the corpus and the workers' folders go (default: a temp dir)")
@@ -407,6 +504,10 @@ def main() -> None:
         t = time.monotonic()
         report["kill_trials"] = kill_trials(args.kill_trials, root / "kill")
         report["kill_trials_wall_s"] = time.monotonic() - t
+    if args.shrink_trials:
+        t = time.monotonic()
+        report["shrink_trials"] = shrink_trials(args.shrink_trials, root / "shrink")
+        report["shrink_trials_wall_s"] = time.monotonic() - t
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

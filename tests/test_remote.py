@@ -366,6 +366,38 @@ def test_signed_round_trip(train, signed, http, via, start, tmp_path, monkeypatc
     assert list(record["series"]) == [source] and record["series"][source]["key"] == public  # per source
 
 
+def test_one_rollback_record_whatever_the_url_spelling(train, signed, http, tmp_path, monkeypatch):
+    """The rollback record is what refuses a replayed older manifest; a series reached by another
+    spelling of its URL (case, default port, trailing slashes) must find the same record, not start
+    a fresh one that would accept anything signed."""
+    folder, public = signed
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    worker = tmp_path / "worker.safetensors"
+    host, port = http.url.split("://", 1)[1].rsplit(":", 1)
+    spellings = [f"{http.url}/bucket/signed", f"HTTP://{host.upper()}:{port}/bucket/signed//",
+                 "s3://bucket/signed/", "S3://bucket//signed"]
+    for source in spellings:
+        proc = run_cli("catch-up", str(worker), source, "--cache", str(tmp_path / "cache"), "--trust", public, "--json")
+        assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads((tmp_path / "state" / "pulsediff" / "trusted-series.json").read_text())
+    assert sorted(record["series"]) == sorted([f"{http.url}/bucket/signed", "s3://bucket/signed"])
+
+
+@pytest.mark.parametrize("url, identity", [
+    ("https://Example.COM:443/a/b/", "https://example.com/a/b"),
+    ("HTTPS://user:secret@example.com/a/b//", "https://example.com/a/b"),
+    ("http://h:8080/x/", "http://h:8080/x"),
+    ("http://h:80/x", "http://h/x"),
+    ("http://[::1]:9000/x/", "http://[::1]:9000/x"),
+    ("s3://bkt//pre/fix/", "s3://bkt/pre/fix"),
+    ("s3://bkt", "s3://bkt"),
+])
+def test_url_identity(url, identity):
+    from pulsediff.series.store import url_identity
+
+    assert url_identity(url) == identity
+
+
 @pytest.mark.parametrize("via", ["s3", "http"])
 def test_signed_series_refuses_forgeries_over_the_network(train, signed, http, via, tmp_path, monkeypatch):
     """A tampered manifest, and a consistent series someone else published there: one line, worker untouched."""

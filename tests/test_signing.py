@@ -122,6 +122,37 @@ def test_bad_keys_are_one_line(tmp_path, keys):
     assert signing.trusted_keys(str(tmp_path / "trusted")) == (keys["ours"][1], keys["theirs"][1])
 
 
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620])
+def test_a_private_key_others_can_read_is_refused(tmp_path, train, keys, mode):
+    """As ssh does: a key the group or everyone could have read (or replaced) signs nothing; the
+    message says how to fix it, and nothing is published."""
+    key = tmp_path / "trainer.key"
+    key.write_bytes(keys["ours"][0].read_bytes())
+    key.chmod(mode)
+    refused(cli("publish", train, tmp_path / "pub", "--settle", "0", "--sign", key), "other users",
+            f"chmod 600 {key}")
+    assert not (tmp_path / "pub").exists() or not any((tmp_path / "pub").iterdir())
+    refused(cli("keygen", "--public", key), "other users")
+    key.chmod(0o600)
+    assert cli("keygen", "--public", key).stdout.decode() == keys["ours"][1] + "\n"
+
+
+def test_keygen_temporaries_never_collide_and_a_dead_ones_is_removed(tmp_path):
+    """The temporary has a random name of its own (not one per process, which a stale file of a
+    dead process under the same pid would block), and one left by a killed keygen goes."""
+    from pulsediff.io.atomic import TMP_SUFFIX, temp_prefix
+
+    key = tmp_path / "trainer.key"
+    stale = tmp_path / f"{temp_prefix(key).replace(f'-{os.getpid()}.', '-999999999.')}key{TMP_SUFFIX}"
+    stale.write_bytes(b"half a key")
+    blocker = tmp_path / f"{temp_prefix(key)}key{TMP_SUFFIX}"  # the name the old keygen always used
+    blocker.write_bytes(b"")
+    public = signing.keygen(key)
+    assert public.startswith("ed25519:") and stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert not stale.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key.name, blocker.name])
+
+
 def test_without_cryptography_signing_is_one_line_with_the_install_hint(tmp_path, keys, monkeypatch):
     from pulsediff.errors import MissingExtraError
 

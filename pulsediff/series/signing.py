@@ -83,11 +83,18 @@ def keygen(path: Path, *, force: bool = False) -> str:
     key = ed25519.Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    from pulsediff.io.atomic import TMP_SUFFIX, output_error, temp_prefix
+    import tempfile
 
-    tmp = path.parent / f"{temp_prefix(path)}key{TMP_SUFFIX}"
+    from pulsediff.io.atomic import TMP_SUFFIX, output_error, remove_stale_temporaries, temp_prefix
+
+    tmp = None
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent)  # a keygen killed mid-write left its temporary there
+        # A name of its own (mkstemp: random, created O_EXCL, mode 0600): two keygens into one folder, or a
+        # stale file of a dead process under a reused pid, never meet on the temporary's name.
+        fd, name = tempfile.mkstemp(prefix=temp_prefix(path), suffix=TMP_SUFFIX, dir=path.parent)
+        tmp = Path(name)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask: only the owner reads a private key
             os.write(fd, pem)
@@ -103,10 +110,11 @@ def keygen(path: Path, *, force: bool = False) -> str:
     except OSError as exc:
         raise output_error(path, exc) from None
     finally:
-        try:
-            tmp.unlink()  # gone already after os.replace
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                tmp.unlink()  # gone already after os.replace
+            except OSError:
+                pass
     return public_key_text(key)
 
 
@@ -126,7 +134,22 @@ def load_private_key(path: Path):
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise SigningKeyError(f"{path} holds a {type(key).__name__.removeprefix('_')}, not an Ed25519 key "
                               f"(make one with pulsediff keygen)")
+    _check_private(Path(path))  # after the parse: a file that is no key is named as such first
     return key
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a private key file others may read, as ssh does: a key every user of the machine (or
+    of its group) could have copied signs nothing the workers should take as the publisher's."""
+    if os.name != "posix":
+        return
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise SigningKeyError(f"cannot read the key file {path}: {exc.strerror or exc}") from None
+    if st.st_mode & 0o077:
+        raise SigningKeyError(f"{path} is readable or writable by other users (mode {st.st_mode & 0o777:04o}); a "
+                              f"private key must be its owner's alone: chmod 600 {path} (pulsediff keygen writes it so)")
 
 
 def parse_public_key(text: str, where: str = "public key") -> str:

@@ -89,6 +89,33 @@ def is_remote(spec: str | os.PathLike) -> bool:
     return isinstance(spec, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", spec) is not None
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def url_identity(url: str) -> str:
+    """One spelling per remote series, under which a signed series' rollback record is kept: the scheme
+    and host in lower case (both are case-insensitive), no user name or password, no default port, and
+    the path without trailing slashes; for S3, also without leading or doubled ones (the prefix is a key
+    prefix: s3://b/x/, s3://b//x and s3://B/x are one series). Written another way by the same worker,
+    a series would start a fresh record, and the record is what refuses a replayed older manifest."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None  # not a number: left as written, and the store will refuse it
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 literal keeps its brackets
+    netloc = host if port in (None, _DEFAULT_PORTS.get(scheme)) else f"{host}:{port}"
+    if scheme == "s3":
+        path = "/" + "/".join(part for part in parts.path.split("/") if part)
+    else:
+        path = parts.path.rstrip("/")
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{scheme}://{netloc}{path.rstrip('/')}{query}"
+
+
 def open_store(spec: "str | os.PathLike | Store", *, cache: Path | None = None) -> "Store":
     """The store a command-line DEST or SOURCE names: `s3://bucket/prefix`, `http(s)://...`, else a folder."""
     if isinstance(spec, Store):
@@ -317,7 +344,7 @@ class ObjectStoreSource(Store):
 
         self.location = url
         self.url = url.rstrip("/")
-        self.identity = self.url
+        self.identity = url_identity(url)
         self.scheme = url.split("://", 1)[0].lower()
         self.cache = Path(cache) if cache is not None else default_cache(url)
         self._staging: Path | None = None
