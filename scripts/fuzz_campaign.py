@@ -44,6 +44,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -441,8 +442,8 @@ def shrink_trials(n: int, root: Path, seed: int = 0) -> dict:
                     problem = f"the message does not name the file: {err!r}"
                 elif out.exists():
                     problem = "an output was left under its real name"
-                else:  # what the refusal said, the trial's path taken out
-                    counts["refused: " + err.replace(str(trial), "T")[:90]] += 1
+                else:  # what the refusal said, the trial's path and the sizes taken out
+                    counts["refused: " + re.sub(r"\d[\d,]*", "N", err.replace(str(trial), "T"))[:100]] += 1
             else:
                 problem = f"exit {proc.returncode}: {err[-300:]!r}"
             if left:

@@ -26,7 +26,8 @@ PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 TENSORS = 6
 
 # Runs pulsediff's command line in a process where VICTIM is truncated to KEEP bytes once the
-# checkpoint reading it has opened it (AFTER=0), or right after the AFTER-th tensor read from it.
+# checkpoint reading it has opened it (AFTER=0), right after the AFTER-th tensor read from it, or
+# right after the output is committed (AFTER=-1).
 HOOK = """
 import os, sys
 from pathlib import Path
@@ -67,6 +68,14 @@ def raw_bytes(self, name):
             cut()
     return bits
 checkpoint.Checkpoint.raw_bytes = raw_bytes
+
+from pulsediff.io import atomic
+commit = atomic.StagedFiles.commit
+def commit_then_cut(self):
+    commit(self)
+    if after == -1:
+        cut()
+atomic.StagedFiles.commit = commit_then_cut
 
 from pulsediff.__main__ import main
 sys.argv[0] = "pulsediff"
@@ -148,6 +157,37 @@ def test_input_written_over_in_place_during_make(pair, tmp_path, which):
     assert proc.returncode == 1, err
     assert err.count("\n") == 1 and str(victim) in err and "changed while being read: it was written to in place" in err, err
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, which", [("apply", "base"), ("make", "old"), ("make", "new")])
+def test_an_input_cut_after_the_output_is_committed_is_no_error(pair, tmp_path, command, which):
+    """Once the output is checked and committed, an input cut short touches nothing pulsediff made:
+    exit 0 and a whole output (found by the shrink trials of scripts/fuzz_campaign.py: closing the
+    input reported the change, exit 1 beside a complete output under its real name)."""
+    old, new = (_copy(p, tmp_path / p.name) for p in pair)
+    want = new.read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    if command == "apply":
+        patch = tmp_path / "p.pulsediff"
+        subprocess.run([*PULSEDIFF, "make", old, new, "-o", patch, "-q"], check=True, timeout=300)
+        proc = _run_hooked(["apply", old, patch, "-o", out / "new.safetensors", "-q"], old, 100, -1)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert (out / "new.safetensors").read_bytes() == want
+    else:
+        victim = old if which == "old" else new
+        base = _copy(old, tmp_path / "base.safetensors")
+        proc = _run_hooked(["make", old, new, "-o", out / "p.pulsediff", "-q"], victim, 100, -1)
+        assert proc.returncode == 0, proc.stderr.decode()
+        subprocess.run([*PULSEDIFF, "apply", base, out / "p.pulsediff", "-o", tmp_path / "rebuilt.safetensors",
+                        "-q"], check=True, timeout=300)
+        assert (tmp_path / "rebuilt.safetensors").read_bytes() == want
+    assert victim_cut(old if which != "new" else new)
+    assert [p.name for p in out.iterdir()] == ["new.safetensors" if command == "apply" else "p.pulsediff"]
+
+
+def victim_cut(path: Path) -> bool:
+    return path.stat().st_size == 100
 
 
 @pytest.mark.parametrize("command", ["digest", "stats"])

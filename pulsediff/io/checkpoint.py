@@ -262,12 +262,19 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(8 + len(s.header.raw) + s.header.data_bytes for s in self.shards)
 
-    def close(self) -> None:
+    def close(self, verify: bool = True) -> None:
         """Unmap the files. Raises CheckpointChangedError if one of them shrank while it was mapped:
-        whatever was computed from its bytes since is not to be trusted."""
+        whatever was computed from its bytes since is not to be trusted. `verify=False`: the caller has
+        checked what it read (mapped.check) and published the result; a change from then on touches
+        nothing it made, and an error now would report a failure after the output was committed.
+        Closing again does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         changed = None
         for s in self.shards:
-            changed = changed or mapped.changed(s._guard)
+            if verify:
+                changed = changed or mapped.changed(s._guard)
             if s._map is not None:
                 try:
                     s._map.close()

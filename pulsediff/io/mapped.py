@@ -263,6 +263,8 @@ def _written_over(path: str, size: int, identity: tuple | None) -> "CheckpointCh
         return None  # gone (renamed away, deleted): the mapping still holds the old file whole
     if (st.st_dev, st.st_ino) != identity[:2] or (st.st_size, st.st_mtime_ns) == (size, identity[2]):
         return None
+    if st.st_size < size:  # cut short, but no page past the new end was touched (yet)
+        return CheckpointChangedError(path, f"it is now {st.st_size:,} bytes, of the {size:,} it had when opened")
     return CheckpointChangedError(path, "it was written to in place (its size or modification time "
                                         "changed)")
 

@@ -61,6 +61,7 @@ class TargetSource:
     reuses_buffers: bool = False
     prefetch: Callable[[str], None] | None = None  # reads a tensor's bytes into memory ahead of `get`
     release: Callable[[str], None] | None = None  # done with a tensor's bytes: unmap them
+    finished: Callable[[], None] | None = None  # everything read and checked: close the inputs unverified
 
     @classmethod
     def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
@@ -70,7 +71,8 @@ class TargetSource:
         found = others.by_name()
         return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get,
                    [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
-                   others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release)
+                   others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release,
+                   finished=lambda: new.ckpt.close(verify=False))
 
 
 def make_patch(
@@ -131,6 +133,11 @@ def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str
     with open_source(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
         header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress)
         mapped.check()  # an input that shrank while read gave zeros: no patch is made of them
+        # Every byte of both inputs is read (the patch is in the spool) and has just been checked: a
+        # shrink from now on changes nothing in the patch, so closing must not report one after it is out.
+        old_ckpt.close(verify=False)
+        if target.finished is not None:
+            target.finished()
         spool.seek(0)
         header_frame = encode_header(header.to_json())
         if isinstance(out, (str, Path)) and str(out) == "-":
