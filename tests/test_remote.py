@@ -36,7 +36,7 @@ from pulsediff.errors import InvalidManifestError, PulsediffError  # noqa: E402
 from pulsediff.format.manifest import MANIFEST, Manifest  # noqa: E402
 from pulsediff.series.catch_up import catch_up, plan_catch_up
 from pulsediff.series.publish import publish_once  # noqa: E402
-from pulsediff.series.store import PublishConflictError, open_store  # noqa: E402
+from pulsediff.series.remote import PublishConflictError, open_store  # noqa: E402
 
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 STEPS = 6
@@ -393,7 +393,7 @@ def test_one_rollback_record_whatever_the_url_spelling(train, signed, http, tmp_
     ("s3://bkt", "s3://bkt"),
 ])
 def test_url_identity(url, identity):
-    from pulsediff.series.store import url_identity
+    from pulsediff.series.remote import url_identity
 
     assert url_identity(url) == identity
 
@@ -673,9 +673,9 @@ def test_cached_and_partial_files_are_checked_again(train, published, http, tmp_
 
 
 def test_manifest_bound_is_enforced_while_downloading(published, http, tmp_path, monkeypatch):
-    import pulsediff.series.store as store
+    import pulsediff.series.remote as remote
 
-    monkeypatch.setattr(store, "MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr(remote, "MAX_MANIFEST_BYTES", 1000)
     with pytest.raises(InvalidManifestError, match="larger than 1000 bytes"):
         catch_up(tmp_path / "w.safetensors", f"{http.url}/bucket/series", cache=tmp_path / "cache")
     hostile = published.parent / "hostile"

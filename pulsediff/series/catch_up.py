@@ -27,7 +27,8 @@ from pulsediff.format.digest import checkpoint_digest
 from pulsediff.format.manifest import MANIFEST, Entry, Manifest, cheapest_paths, file_sha256
 from pulsediff.io.checkpoint import Checkpoint, TensorView
 from pulsediff.runtime.progress import SILENT, Progress
-from pulsediff.series.store import Folder, Store, open_store, size_problem
+from pulsediff.series.remote import open_store
+from pulsediff.series.store import Folder, Store, size_problem
 
 MAX_SEARCHES = 32  # chains tried by one catch-up before damaged files make it give up
 

@@ -41,7 +41,8 @@ from pulsediff.io.atomic import TMP_SUFFIX, temp_prefix
 from pulsediff.runtime.progress import SILENT, Progress
 from pulsediff.series.steps import (DEFAULT_SETTLE, DEFAULT_STEP_PATTERN, READY_RULES, checkpoint_candidates,
                                     fingerprint_or_none, not_ready, parses)
-from pulsediff.series.store import Store, open_store
+from pulsediff.series.remote import open_store
+from pulsediff.series.store import Store
 
 ONE_SHOT_WAIT = 60.0  # how long a publish without --watch waits for checkpoints that are still settling
 
