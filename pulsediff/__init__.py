@@ -30,7 +30,7 @@ _HOMES = {
     "make_patch": "pulsediff.ops.make",
     "make_patch_bytes": "pulsediff.ops.make",
     "apply_patch": "pulsediff.ops.apply",
-    "read_patch_header": "pulsediff.ops.apply",
+    "read_patch_header": "pulsediff.format.patch_file",
     "checkpoint_digest_of": "pulsediff.ops.inspect",
     "apply_to_state_dict": "pulsediff.ops.live",
     "state_dict_digest": "pulsediff.ops.live",

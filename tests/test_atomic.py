@@ -219,6 +219,7 @@ def test_a_failure_between_windows_lets_the_write_in_flight_finish_before_the_fi
     from safetensors.torch import save_file
 
     import pulsediff.ops.apply as apply_mod
+    import pulsediff.ops.rebuild
     from pulsediff import apply_patch, make_patch
     from pulsediff.codecs.ctx_rans import CtxRans
     from pulsediff.errors import CorruptPatchError
@@ -230,7 +231,7 @@ def test_a_failure_between_windows_lets_the_write_in_flight_finish_before_the_fi
     save_file({"w": torch.from_numpy(base).to(torch.bfloat16)}, tmp_path / "b.safetensors")
     save_file({"w": torch.from_numpy(target).to(torch.bfloat16)}, tmp_path / "t.safetensors")
     make_patch(tmp_path / "b.safetensors", tmp_path / "t.safetensors", tmp_path / "p", device="cpu")
-    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(pulsediff.ops.rebuild, "WINDOW_ELEMENTS", 1 << 12)
 
     real_windows = CtxRans.decode_windows
 

@@ -50,10 +50,10 @@ def corpus(tmp_path_factory):
 def one_kernel_thread(monkeypatch):
     """The tensors are tiny: worker threads only cost time on a loaded 2-core machine. Windows of
     a few dozen elements make the windowed rebuild of apply run over many windows per tensor."""
-    import pulsediff.ops.apply
+    import pulsediff.ops.rebuild
 
     monkeypatch.setenv("PULSEDIFF_THREADS", "1")
-    monkeypatch.setattr(pulsediff.ops.apply, "WINDOW_ELEMENTS", 37)
+    monkeypatch.setattr(pulsediff.ops.rebuild, "WINDOW_ELEMENTS", 37)
 
 
 def run_cases(kind: str, seeds, corpus, tmp_path) -> dict[str, int]:

@@ -17,7 +17,7 @@ import torch
 
 import pulsediff
 from pulsediff.ops import live
-from pulsediff.ops.apply import open_patch
+from pulsediff.format.patch_file import open_patch
 from pulsediff.errors import BaseMismatchError, CorruptPatchError, UsageError
 
 from ckpt_factory import TORCH_DTYPES, mutate, random_tensor

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import pulsediff.ops.apply as apply_mod
+import pulsediff.ops.rebuild as rebuild_mod
 from ckpt_factory import mutate, random_tensor, save
 from pulsediff import apply_patch, make_patch
 from pulsediff.ops.apply import apply_chain
@@ -30,7 +31,7 @@ from pulsediff.io.memory import Scratch
 @pytest.fixture
 def three_threads(monkeypatch):
     monkeypatch.setenv("PULSEDIFF_THREADS", "3")
-    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 3000)  # tensors above this: the windowed rebuild
+    monkeypatch.setattr(rebuild_mod, "WINDOW_ELEMENTS", 3000)  # tensors above this: the windowed rebuild
 
 
 def many_tensors(rng, steps: int, densities=(0.2, 0.03)):
@@ -87,7 +88,7 @@ def test_a_damaged_tensor_rebuilt_side_by_side_writes_nothing_and_leaves_no_rebu
     old, new = (save(s, tmp_path / f"s{k}.safetensors") for k, s in enumerate(many_tensors(rng, 1)))
     patch = tmp_path / "p.pulsediff"
     make_patch(old, new, patch, device="cpu")
-    real = apply_mod.rebuild_tensor
+    real = rebuild_mod.rebuild_tensor
     running, threads_seen = [], set()
 
     def slow_or_failing(rec, payload, base_bits, backend, source, scratch, alone=False):
@@ -100,7 +101,7 @@ def test_a_damaged_tensor_rebuilt_side_by_side_writes_nothing_and_leaves_no_rebu
         finally:
             running.remove(rec.name)
 
-    monkeypatch.setattr(apply_mod, "rebuild_tensor", slow_or_failing)
+    monkeypatch.setattr(rebuild_mod, "rebuild_tensor", slow_or_failing)
     out = tmp_path / "out.safetensors"
     with pytest.raises(CorruptPatchError, match="forced"):
         apply_patch(old, patch, out, device="cpu")
@@ -139,7 +140,7 @@ def test_a_chain_rebuilds_large_tensors_window_by_window(tmp_path, monkeypatch, 
     """Tensors above the window go through every link window by window (apply.chain_windows):
     the output is the target's bytes, and the links' windows, not whole tensors, are in memory."""
     monkeypatch.setenv("PULSEDIFF_THREADS", threads)
-    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 300)
+    monkeypatch.setattr(rebuild_mod, "WINDOW_ELEMENTS", 300)
     rng = np.random.default_rng(6)
     states = many_tensors(rng, 3, densities=(0.02,))  # sparse links: the windowed way holds less
     states[2] = {**states[2], "w5": states[1]["w5"]}  # a link that keeps a large tensor as it is ("same")
@@ -148,18 +149,18 @@ def test_a_chain_rebuilds_large_tensors_window_by_window(tmp_path, monkeypatch, 
     out = tmp_path / "out.safetensors"
     apply_chain(paths[0], patches, out, device="cpu")
     assert out.read_bytes() == paths[-1].read_bytes()
-    assert sum(isinstance(r, apply_mod.Windows) for r in seen) >= 2  # w5 and w6 at least
+    assert sum(isinstance(r, rebuild_mod.Windows) for r in seen) >= 2  # w5 and w6 at least
 
 
 def test_a_chain_link_that_rebuilds_to_another_hash_is_refused_window_by_window(tmp_path, monkeypatch):
-    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 300)
+    monkeypatch.setattr(rebuild_mod, "WINDOW_ELEMENTS", 300)
     paths, patches = chain_of(tmp_path, many_tensors(np.random.default_rng(7), 2, densities=(0.02,)))
-    real = apply_mod._hash_checked
+    real = rebuild_mod.hash_checked
 
     def wrong_hash(parts, rec, source):
         return real(parts, dataclasses.replace(rec, target_hash="0" * 32), source)
 
-    monkeypatch.setattr(apply_mod, "_hash_checked", wrong_hash)
+    monkeypatch.setattr(rebuild_mod, "hash_checked", wrong_hash)
     out = tmp_path / "out.safetensors"
     with pytest.raises(CorruptPatchError, match="does not rebuild to its recorded hash"):
         apply_chain(paths[0], patches, out, device="cpu")
@@ -169,10 +170,10 @@ def test_a_chain_link_that_rebuilds_to_another_hash_is_refused_window_by_window(
 def test_a_long_dense_chain_keeps_its_tensors_whole(tmp_path, monkeypatch):
     """Windows hold every link's windows and entries at once: where that is more than the whole
     tensor and one link's entries, the chain rebuilds the tensor whole (and still right)."""
-    monkeypatch.setattr(apply_mod, "WINDOW_ELEMENTS", 300)
+    monkeypatch.setattr(rebuild_mod, "WINDOW_ELEMENTS", 300)
     paths, patches = chain_of(tmp_path, many_tensors(np.random.default_rng(8), 4, (0.3,)))
     seen = chain_windows_results(monkeypatch)
     out = tmp_path / "out.safetensors"
     apply_chain(paths[0], patches, out, device="cpu")
     assert out.read_bytes() == paths[-1].read_bytes()
-    assert seen and not any(isinstance(r, apply_mod.Windows) for r in seen)
+    assert seen and not any(isinstance(r, rebuild_mod.Windows) for r in seen)

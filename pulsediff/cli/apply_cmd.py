@@ -32,7 +32,8 @@ def apply(
     if output is not None:
         check_output(output, force=force)
     check_patch_paths(patches)
-    from pulsediff.ops.apply import apply_chain, verify_patch_file
+    from pulsediff.ops.apply import apply_chain
+    from pulsediff.format.patch_file import verify_patch_file
 
     out = Output(quiet=quiet, as_json=as_json)
     if dry_run:  # every section's checksum too, where the patch is a file that can be read twice

@@ -11,38 +11,27 @@ Order of checks, so that nothing is written unless everything holds:
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import numpy as np
 
-from pulsediff.io.atomic import StagedFiles
-from pulsediff.io.checkpoint import INDEX_NAME, Checkpoint, TensorView, open_checkpoint
 from pulsediff.codecs import get_codec
 from pulsediff.codecs.base import Scratch, SectionContext, zstd_decompress_exact
-from pulsediff.format.digest import TensorId, checkpoint_digest, tensor_hash
-from pulsediff.errors import (
-    BaseFileMismatchError,
-    BaseMismatchError,
-    ChainError,
-    CheckpointNotFoundError,
-    CorruptPatchError,
-    PulsediffError,
-    TargetMismatchError,
-    TensorMismatchError,
-    UsageError,
-    refuse_existing,
-)
-from pulsediff.io.folder_files import file_hash, read_folder_file
-from pulsediff.format.container import PatchReader
-from pulsediff.ops.inspect import tensor_ids
-from pulsediff.kernels import get_backend
+from pulsediff.errors import (BaseFileMismatchError, BaseMismatchError, CorruptPatchError, PulsediffError,
+                              TargetMismatchError, TensorMismatchError, UsageError, refuse_existing)
+from pulsediff.format.digest import TensorId, checkpoint_digest
 from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
+from pulsediff.format.patch_file import Link, check_file_header, open_chain, read_layout
+from pulsediff.io.atomic import StagedFiles
+from pulsediff.io.checkpoint import INDEX_NAME, Checkpoint, TensorView, open_checkpoint
+from pulsediff.io.folder_files import file_hash, read_folder_file
+from pulsediff.kernels import get_backend
+from pulsediff.ops.inspect import tensor_ids
+from pulsediff.ops import rebuild  # rebuild.WINDOW_ELEMENTS read at each use: one setting for both modules
+from pulsediff.ops.rebuild import Rebuild, Windows, chain_rebuild, chain_windows, rebuild_windows
 from pulsediff.runtime.progress import SILENT, Progress
-from pulsediff.io.safetensors_header import HeaderError, parse_header
 
 
 @dataclass(frozen=True)
@@ -54,49 +43,6 @@ class ApplyResult:
     base_is_target: bool = False  # the base already was the target (a patch made with OLD and NEW swapped?)
     dry_run: bool = False  # everything was checked, nothing written
     layout_from_base: bool = False  # bf16: the files keep the receiver's (base's) BF16 layout, not the patch's
-
-
-def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, BinaryIO | None]:
-    """Read and validate a patch's header. Returns (reader, header, stream to close or None)."""
-    if isinstance(patch, (str, Path)) and str(patch) == "-":
-        stream, source, owned = sys.stdin.buffer, "<stdin>", None
-    elif isinstance(patch, (str, Path)):
-        path = Path(patch)
-        if not path.is_file():
-            raise CheckpointNotFoundError(str(path), "patch")
-        stream = open(path, "rb")
-        source, owned = str(path), stream
-    else:
-        stream, source, owned = patch, getattr(patch, "name", "<stream>"), None
-    try:
-        reader = PatchReader(stream, source)
-        header = PatchHeader.from_json(reader.header, source)
-    except BaseException:
-        if owned:
-            owned.close()
-        raise
-    return reader, header, owned
-
-
-def verify_patch_file(patch: str | Path) -> PatchHeader:
-    """Read a whole patch file and check every checksum and its length; decode nothing."""
-    reader, header, owned = open_patch(patch)
-    try:
-        for ref in header.section_refs():
-            reader.read_next(ref, "section")
-        reader.expect_end(header.sections_length)
-        return header
-    finally:
-        if owned:
-            owned.close()
-
-
-def read_patch_header(patch: str | Path | BinaryIO) -> PatchHeader:
-    """The validated header of a patch (sections are not read)."""
-    _, header, owned = open_patch(patch)
-    if owned:
-        owned.close()
-    return header
 
 
 def apply_patch(
@@ -113,35 +59,6 @@ def apply_patch(
     `base` itself with `in_place`. An existing `out` is refused (OutputExistsError) unless `force`; with
     `force`, an `out` that already is the target is left as it is (status "up-to-date")."""
     return apply_chain(base, [patch], out, in_place=in_place, device=device, progress=progress, force=force)
-
-
-@dataclass
-class _Link:
-    reader: PatchReader
-    header: PatchHeader
-    records: dict[str, TensorRecord]
-
-    @property
-    def files(self) -> dict[str, FileRecord]:
-        return {f.name: f for f in self.header.files}
-
-
-@contextmanager
-def open_chain(patches: list) -> Iterator[list[_Link]]:
-    """Open patches as a chain, every link checked against the previous one; closes them after."""
-    owned: list[BinaryIO] = []
-    try:
-        links = []
-        for p in patches:
-            reader, header, stream = open_patch(p)
-            if stream is not None:
-                owned.append(stream)
-            links.append(_Link(reader, header, {r.name: r for r in header.tensors}))
-        _check_links(links)
-        yield links
-    finally:
-        for stream in owned:
-            stream.close()
 
 
 def apply_chain(
@@ -240,17 +157,7 @@ def apply_chain(
                            layout_from_base=receiver is not None)
 
 
-def _check_links(links: list[_Link]) -> None:
-    for prev, link in zip(links, links[1:]):
-        if link.header.precision != prev.header.precision:
-            raise ChainError(f"{link.reader.source} is a {link.header.precision} patch but "
-                             f"{prev.reader.source} is {prev.header.precision}: they do not chain")
-        if link.header.base_digest != prev.header.target_digest:
-            raise ChainError(f"{link.reader.source} does not follow {prev.reader.source} "
-                             f"(its base is {link.header.base_digest}, the previous target {prev.header.target_digest})")
-
-
-def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, progress: Progress,
+def _apply_streaming(link: Link, view: TensorView, backend, out_path: Path, progress: Progress,
                      files: "FolderFileSources", receiver: "_TargetFiles | None", copy_all: bool = False) -> None:
     """One patch, read front to back (works on stdin): each section is decoded as it arrives.
 
@@ -270,7 +177,7 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
         payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
         if copy_all:
             return Rebuild(rec.numel, [(rec, None, reader.source)], base_bits(rec), backend)
-        if (rec.op == "patch" and rec.numel > WINDOW_ELEMENTS
+        if (rec.op == "patch" and rec.numel > rebuild.WINDOW_ELEMENTS
                 and hasattr(get_codec(rec.section.codec), "decode_windows")):
             return rebuild_windows(rec, payload, base_bits(rec), backend, reader.source, scratch)
         return Rebuild(rec.numel, [(rec, payload, reader.source)], base_bits(rec) if rec.op != "full" else None,
@@ -283,7 +190,7 @@ def _apply_streaming(link: _Link, view: TensorView, backend, out_path: Path, pro
     _write_target(header, target, target_bits, files, out_path, progress, before_commit, scratch, backend)
 
 
-def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView, backend, out_path: Path,
+def _apply_random_access(links: list[Link], final_link: Link, view: TensorView, backend, out_path: Path,
                          progress: Progress, files: "FolderFileSources", receiver: "_TargetFiles | None") -> None:
     """A chain: each target tensor is carried through every link in turn, in memory.
 
@@ -302,96 +209,6 @@ def _apply_random_access(links: list[_Link], final_link: _Link, view: TensorView
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
     _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend)
-
-
-def carry_through(name: str, links: list[_Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
-    """The tensor after the last link: from the last link that carries it whole, or from the base."""
-    return chain_rebuild(name, links, view, backend).run(scratch)
-
-
-@dataclass
-class Rebuild:
-    """A target tensor to rebuild: its sections already read (in the patch's order, so a patch on
-    stdin is read front to back), the decoding left to `run`, which may happen on another thread."""
-
-    numel: int
-    steps: list  # (record, payload or None, source) per link, oldest first: each decodes onto the last
-    base_bits: np.ndarray | None  # what the first step decodes onto (None: it carries the tensor whole)
-    backend: object
-
-    def run(self, scratch: Scratch, alone: bool = False) -> np.ndarray:
-        bits = self.base_bits
-        for rec, payload, source in self.steps:
-            bits = rebuild_tensor(rec, payload, bits, self.backend, source, scratch, alone)
-        return bits
-
-
-def chain_rebuild(name: str, links: list[_Link], view: TensorView, backend) -> Rebuild:
-    """How to carry one tensor through every link, from the last link that carries it whole
-    (or from the base); reads its sections now."""
-    start = len(links) - 1
-    while start >= 0:
-        rec = links[start].records.get(name)
-        if rec is None:
-            raise ChainError(f"{links[start].reader.source} lacks tensor {name!r} that a later patch builds on")
-        if rec.op == "full":
-            break
-        start -= 1
-    if start < 0:
-        if name not in view.ckpt:
-            raise ChainError(f"the base lacks tensor {name!r} that the chain builds on")
-        bits = view.get(name).bits
-    else:
-        bits = None
-    steps = []
-    for link in links[max(start, 0):]:
-        rec = link.records[name]
-        payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
-        steps.append((rec, payload, link.reader.source))
-    return Rebuild(steps[-1][0].numel if steps else bits.size, steps, bits, backend)
-
-
-def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | Rebuild":
-    """A tensor larger than a window, carried from the base through links that each patch it with
-    a windowed codec or keep it, as windows: every link rebuilds each window of the one before
-    while it is in the cache, and memory holds two windows per link instead of the whole tensor.
-    Each link's hash is checked once its last window has gone through. Anything else, or a chain
-    so long that the windowed way would hold more: the Rebuild as it is."""
-    base, steps = rebuild.base_bits, rebuild.steps
-    if rebuild.numel <= WINDOW_ELEMENTS or base is None or not steps or len(steps) > len(link_scratch):
-        return rebuild
-    # Windows hold every link's two windows and decoded entries (~9 bytes per change) at once, the
-    # whole-tensor way one tensor and one link's entries: a long chain is cheaper whole.
-    entry_bytes = [9 * rec.changed for rec, _, _ in steps]
-    if (sum(entry_bytes) + len(steps) * 2 * WINDOW_ELEMENTS * base.itemsize
-            >= rebuild.numel * base.itemsize + max(entry_bytes)):
-        return rebuild
-    for rec, payload, _ in steps:
-        if (rec.numel, rec.dtype.itemsize) != (base.size, base.dtype.itemsize):
-            return rebuild  # the Rebuild refuses it with the error that fits
-        if not (rec.op == "same" and payload is None
-                or rec.op == "patch" and hasattr(get_codec(rec.section.codec), "decode_stream")):
-            return rebuild
-    parts = (base[lo:lo + WINDOW_ELEMENTS] for lo in range(0, base.size, WINDOW_ELEMENTS))
-    for k, (rec, payload, source) in enumerate(steps):
-        if rec.op == "patch":
-            ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
-            parts = get_codec(rec.section.codec).decode_stream(parts, payload, rec.section.params, ctx,
-                                                               rebuild.backend, link_scratch[k])
-        if k < len(steps) - 1:
-            parts = _hash_checked(parts, rec, source)
-    last, _, source = steps[-1]
-    return Windows(last, source, parts)  # the writer checks the last link's hash
-
-
-def _hash_checked(parts, rec: TensorRecord, source: str):
-    """The windows as they are, and once the last has gone by, the check of the tensor's hash
-    (the one the writer makes of the last link's windows: Windows.check)."""
-    windows = Windows(rec, source, parts)
-    for part in parts:
-        windows.hasher.update(part)
-        yield part
-    windows.check()
 
 
 # -- base checks --------------------------------------------------------------
@@ -440,82 +257,6 @@ def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: s
 # -- rebuilding -----------------------------------------------------------------
 
 
-def _check_base_size(rec: TensorRecord, base_bits: np.ndarray, source: str) -> None:
-    """A patched tensor's base must have the element count and width its record says."""
-    if (base_bits.size, base_bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
-        raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
-                                        f"{base_bits.dtype.itemsize} bytes, patch expects {rec.numel} of "
-                                        f"{rec.dtype.itemsize}")
-
-
-def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
-                   scratch: Scratch, alone: bool = False) -> np.ndarray:
-    """One target tensor's bits, checked against its recorded hash.
-
-    `payload` None means the target tensor is `base_bits` as they are (op
-    "same", or a base that already is the target). `alone`: this runs on one
-    worker thread beside other rebuilds (Codec.decode_alone).
-    """
-    if payload is None:
-        bits = base_bits
-    else:
-        codec = get_codec(rec.section.codec)
-        if base_bits is not None and rec.op == "patch":
-            _check_base_size(rec, base_bits, source)
-        ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
-        decode = codec.decode_alone if alone else codec.decode
-        bits = decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
-    if tensor_hash(bits) != rec.target_hash:
-        raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
-    # The hash says nothing of the size when the header lies about it consistently (a "same" tensor given
-    # another shape or dtype): the file header would promise bytes that are not written.
-    if (bits.size, bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
-        raise CorruptPatchError(source, f"tensor {rec.name!r} rebuilds to {bits.size} elements of "
-                                        f"{bits.dtype.itemsize} bytes; the header says {rec.numel} of {rec.dtype.itemsize}")
-    return bits
-
-
-def read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> bytes:
-    layout = header.layout
-    data = (reader.read_next if sequential else reader.read_section)(layout.section, "layout")
-    blob = zstd_decompress_exact(data, layout.blob_len, SectionContext("<layout>", layout.blob_len, 1, reader.source), "layout")
-    # Format 1.1: every byte of the target's files that is not tensor data is in the blob,
-    # so with this check (and the tensor hashes) exact mode rebuilds the files byte for byte.
-    if layout.digest is not None and file_hash(blob) != layout.digest:
-        raise CorruptPatchError(reader.source, "the layout does not match its recorded digest")
-    # Each file's header must describe its tensors, for every reader of the layout (squash wrote
-    # patches from layouts that apply then refused).
-    pos = first = 0
-    holder = {}  # tensor -> the file the layout writes it to
-    for lf in layout.files:
-        _check_file_header(blob[pos : pos + lf.header_len], header.tensors[first : first + lf.tensors], lf.name,
-                           reader.source)
-        holder.update((r.name, lf.name) for r in header.tensors[first : first + lf.tensors])
-        pos, first = pos + lf.header_len, first + lf.tensors
-    if layout.index_len is not None:
-        _check_index(blob[pos : pos + layout.index_len], holder, reader.source)
-    return blob
-
-
-def _check_index(index: bytes, holder: dict[str, str], source: str) -> None:
-    """The index the layout writes must list each tensor in the file the layout writes it to (§5):
-    the file names are in the header, outside the layout digest, so a patch whose names were edited
-    (checksums recomputed) would otherwise rebuild a folder whose index names files it does not have."""
-    from pulsediff.io import strict_json
-
-    try:
-        weight_map = strict_json.loads(index)["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise CorruptPatchError(source, f"the layout's {INDEX_NAME} has no weight_map object") from None
-    if weight_map != holder:
-        wrong = sorted(set(weight_map.items()) ^ set(holder.items()))[0][0]
-        raise CorruptPatchError(source, f"the layout's {INDEX_NAME} lists tensor {wrong!r} in "
-                                        f"{weight_map.get(wrong)!r}, but the layout writes it to "
-                                        f"{holder.get(wrong)!r}: the rebuilt folder would not load")
-
-
 class FolderFileSources:
     """Where each of the target folder's other files comes from, checked before anything is written.
 
@@ -526,14 +267,14 @@ class FolderFileSources:
     files are kept as they are (or stay absent).
     """
 
-    def __init__(self, links: list[_Link], base: Checkpoint, final: PatchHeader, in_place: bool, sequential: bool):
+    def __init__(self, links: list[Link], base: Checkpoint, final: PatchHeader, in_place: bool, sequential: bool):
         self.final = final.files
         self.sequential = sequential  # one patch is read front to back (it may be stdin)
         self.strict = final.precision == "exact"
         self.in_place = in_place
         self.stale: list[Path] = []  # in place: base files the target does not have, removed at commit
         self.base_dir = base.path if base.kind == "dir" else None
-        self.from_link: dict[str, tuple[_Link, FileRecord]] = {}
+        self.from_link: dict[str, tuple[Link, FileRecord]] = {}
         for rec in self.final:
             for link in reversed(links):
                 own = link.files.get(rec.name)
@@ -607,7 +348,7 @@ class _TargetFiles:
             records = header.tensors[first : first + lf.tensors]
             raw = blob[pos : pos + lf.header_len] if blob is not None else b""
             if blob is not None:
-                _check_file_header(raw, records, lf.name, source)
+                check_file_header(raw, records, lf.name, source)
             files.append((lf.name, raw, records))
             pos, first = pos + lf.header_len, first + lf.tensors
         index = None
@@ -632,40 +373,6 @@ def _receiver_layout(base: Checkpoint, view: TensorView, final: PatchHeader) -> 
             return None
         files.append((shard.name, shard.header.raw, tuple(records[e.name] for e in entries)))
     return _TargetFiles(base.kind, files, base.index_bytes)
-
-
-# Elements per window of a windowed rebuild: 16 MiB of BF16, large enough to
-# keep every worker thread busy, small enough to stay near the cache.
-WINDOW_ELEMENTS = 1 << 23
-
-
-def rebuild_windows(rec: TensorRecord, payload: bytes, base_bits: np.ndarray, backend, source: str,
-                    scratch: Scratch) -> "Windows":
-    """One patched tensor as consecutive windows (codec.decode_windows); its hash is checked by
-    whoever consumes them (`Windows.hasher`), since it is known only after the last one."""
-    _check_base_size(rec, base_bits, source)
-    ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
-    codec = get_codec(rec.section.codec)
-    return Windows(rec, source, codec.decode_windows(base_bits, payload, rec.section.params, ctx, backend, scratch,
-                                                     WINDOW_ELEMENTS))
-
-
-@dataclass
-class Windows:
-    """A tensor rebuilt window by window, and the check of its hash once all are seen."""
-
-    rec: TensorRecord
-    source: str
-    parts: Iterator[np.ndarray]
-
-    def __post_init__(self) -> None:
-        import xxhash
-
-        self.hasher = xxhash.xxh3_128()
-
-    def check(self) -> None:
-        if self.hasher.hexdigest() != self.rec.target_hash:
-            raise CorruptPatchError(self.source, f"tensor {self.rec.name!r} does not rebuild to its recorded hash")
 
 
 class _PipelinedWriter:
@@ -784,7 +491,7 @@ class _SideBySide:
         rec = self._records[self._next]
         self._next += 1
         item = self._prepare(rec)
-        if self._ahead and isinstance(item, Rebuild) and item.numel <= WINDOW_ELEMENTS and self._free:
+        if self._ahead and isinstance(item, Rebuild) and item.numel <= rebuild.WINDOW_ELEMENTS and self._free:
             from pulsediff.kernels.threads import pool
 
             scratch = self._free.popleft()
@@ -869,17 +576,6 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
             staged.remove_at_commit(path)
         staged.commit()
     progress.end()
-
-
-def _check_file_header(raw: bytes, records, file_name: str, source: str) -> None:
-    """The stored safetensors header must describe exactly these tensors, in this order."""
-    try:
-        parsed = parse_header(raw, sum(r.nbytes for r in records))
-    except HeaderError as exc:
-        raise CorruptPatchError(source, f"layout header of {file_name or 'the file'}: {exc}") from None
-    described = [(e.name, e.dtype.name, e.shape) for e in parsed.tensors]
-    if described != [(r.name, r.dtype.name, r.shape) for r in records]:
-        raise CorruptPatchError(source, f"layout header of {file_name or 'the file'} does not match the tensor list")
 
 
 def _stale_paths(base: Checkpoint, target: _TargetFiles, removed_files: list[str]) -> list[Path]:

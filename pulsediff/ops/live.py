@@ -203,7 +203,8 @@ class _Step:
 
 
 def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expect=None) -> _Step:
-    from pulsediff.ops.apply import open_patch, read_layout, rebuild_tensor
+    from pulsediff.format.patch_file import open_patch, read_layout
+    from pulsediff.ops.rebuild import rebuild_tensor
     from pulsediff.codecs.base import Scratch
     from pulsediff.ops.inspect import tensor_ids
     from pulsediff.kernels import backend_for_gpu_data, cuda_backend, get_backend, parse_device
@@ -375,7 +376,8 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     and is updated; every write is logged in `undo` before it happens. `aliases` maps a name
     to the name whose memory it shares (it has no view of its own): it is written through
     that one, and must end with the same target."""
-    from pulsediff.ops.apply import read_layout, rebuild_tensor
+    from pulsediff.format.patch_file import read_layout
+    from pulsediff.ops.rebuild import rebuild_tensor
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import Scratch, SectionContext
 

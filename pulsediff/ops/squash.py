@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from pulsediff.ops.apply import FolderFileSources, carry_through, open_chain, read_layout
+from pulsediff.ops.apply import FolderFileSources
+from pulsediff.ops.rebuild import carry_through
+from pulsediff.format.patch_file import open_chain, read_layout
 from pulsediff.io.checkpoint import TensorData, TensorView, open_checkpoint
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC
 from pulsediff.codecs.base import Scratch

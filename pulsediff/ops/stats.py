@@ -137,7 +137,7 @@ def ulp_histogram(reader, header: PatchHeader) -> dict[str, int] | None:
 
 
 def _stats_from_stream(patch) -> PatchStats:
-    from pulsediff.ops.apply import open_patch
+    from pulsediff.format.patch_file import open_patch
 
     reader, header, owned = open_patch(patch)
     try:

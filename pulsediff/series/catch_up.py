@@ -269,7 +269,7 @@ def check_file(path: Path, e: Entry, precision: str, manifest_where: str, authen
 
 
 def _checked_header(path: Path, e: Entry, precision: str, manifest_where: str) -> str | None:
-    from pulsediff.ops.apply import verify_patch_file
+    from pulsediff.format.patch_file import verify_patch_file
 
     try:
         header = verify_patch_file(path)
