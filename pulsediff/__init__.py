@@ -11,7 +11,8 @@ this list (tests/test_layers.py checks it):
   kernels/                   CPU (Numba) and CUDA (Numba CUDA) kernels; picks a backend
   io/                        checkpoints, model folders, memory, all-or-nothing outputs
   codecs/                    section codecs behind one contract
-  format/                    the patch container and header, digests, the series manifest
+  format/                    the patch container and header, a patch file opened and checked,
+                             digests, the series manifest
   ops/                       make, apply, squash, stats; live tensors
   series/                    publish and catch-up over folders, S3 and HTTP; signing
   cli/                       the typer commands

@@ -141,6 +141,14 @@ class RollbackError(UntrustedManifestError):
     """A validly signed manifest older than one already accepted from the same source (under any key)."""
 
 
+class FetchError(PulsediffError, OSError):
+    """A remote series that cannot be reached, or refuses us, past the retries: no path around it."""
+
+
+class PublishConflictError(PulsediffError, FileExistsError):
+    """Another publisher's object or manifest is where this publish would write."""
+
+
 # --- applying --------------------------------------------------------------
 
 

@@ -46,7 +46,10 @@ def measure(elements: int, density: float, seed: int) -> dict:
 
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import Scratch, SectionContext
-    from pulsediff.io.dtypes import DTYPES
+    try:
+        from pulsediff.io.dtypes import DTYPES
+    except ImportError:  # a --src tree from before the package was layered (issue 25)
+        from pulsediff.dtypes import DTYPES
     from pulsediff.kernels import get_backend
 
     rng = np.random.default_rng(seed)

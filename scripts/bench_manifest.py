@@ -36,9 +36,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.tree:
         sys.path.insert(0, str(args.tree))
-    from pulsediff.format.digest import checkpoint_digest
     from pulsediff.errors import PulsediffError
-    from pulsediff.series.catch_up import catch_up, plan_catch_up
+    try:
+        from pulsediff.format.digest import checkpoint_digest
+        from pulsediff.series.catch_up import catch_up, plan_catch_up
+    except ImportError:  # a --tree from before the package was layered (issue 25)
+        from pulsediff.digest import checkpoint_digest
+        from pulsediff.series import catch_up, plan_catch_up
 
     for n in args.sizes:
         folder = Path(tempfile.mkdtemp())

@@ -13,7 +13,6 @@ is that patches written by an old pulsediff keep applying, byte for byte.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,4 +100,8 @@ def _folder_cases(out: Path, g: torch.Generator, expected: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="the folder of one format version, e.g. tests/golden/v1.2")
+    main(ap.parse_args().out)

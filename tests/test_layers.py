@@ -67,6 +67,24 @@ def imports_of(module: str) -> list[tuple[str, str, int]]:
     return out
 
 
+def dynamic_imports_of(module: str) -> list[int]:
+    """Lines of `importlib.import_module(...)` and `__import__(...)` calls naming a pulsediff module:
+    imports the checks above cannot see. Only the package's own __init__ (the top, lazy public API)
+    may use them."""
+    lines = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            dynamic = (isinstance(f, ast.Attribute) and f.attr == "import_module") or \
+                (isinstance(f, ast.Name) and f.id in ("__import__", "import_module"))
+            # third-party modules (numba's warning classes, say) may be looked up this way
+            names_pulsediff = any(isinstance(c, ast.Constant) and isinstance(c.value, str) and "pulsediff" in c.value
+                                  for arg in node.args for c in ast.walk(arg))
+            if dynamic and names_pulsediff:
+                lines.append(node.lineno)
+    return lines
+
+
 def edges() -> dict[str, set[str]]:
     return {m: {target for target, _, _ in imports_of(m) if target != m} for m in MODULES}
 
@@ -84,6 +102,16 @@ def test_imports_point_down_only():
             if RANK[unit_of(target)] > RANK[unit_of(module)]:
                 upward.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}")
     assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
+
+
+def test_leaves_import_nothing_of_pulsediff():
+    leaves = [m for m in MODULES if unit_of(m) in LAYERS[0]]
+    assert not {m: imports_of(m) for m in leaves if imports_of(m)}
+
+
+def test_no_dynamic_imports_below_the_public_api():
+    found = {m: dynamic_imports_of(m) for m in MODULES if m != "pulsediff" and dynamic_imports_of(m)}
+    assert not found, f"importlib/__import__ calls hide dependencies from this check: {found}"
 
 
 def test_no_module_imports_private_names_of_another():
@@ -135,25 +163,40 @@ def test_the_cycle_finder_finds_cycles(graph, cyclic):
     assert (find_cycle(graph) is not None) == cyclic
 
 
-def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
-    """The checks can fail: a planted upward and private import is reported."""
+@pytest.mark.parametrize("code, check, words", [
+    ("def f():\n    from pulsediff.ops.make import helper\n", "up", "io/checkpoint.py:2 imports pulsediff.ops.make"),
+    ("import pulsediff.ops.make as m\n", "up", "io/checkpoint.py:1 imports pulsediff.ops.make"),
+    ("from ..ops import make\n", "up", "io/checkpoint.py:1 imports pulsediff.ops.make"),
+    ("from pulsediff import ops\n", "up", "io/checkpoint.py:1 imports pulsediff.ops"),
+    ("from pulsediff.ops.make import *\n", "up", "imports pulsediff.ops.make"),
+    ("from pulsediff.ops.make import _helper\n", "private", "_helper"),
+    ("import importlib\nm = importlib.import_module('pulsediff.ops.make')\n", "dynamic", "pulsediff.io.checkpoint"),
+    ("m = __import__('pulsediff.ops.make')\n", "dynamic", "pulsediff.io.checkpoint"),
+])
+def test_the_checker_sees_planted_violations(tmp_path, monkeypatch, code, check, words):
+    """The checks can fail: each planted import in io/checkpoint.py is reported."""
     fake = tmp_path / "pulsediff"
     (fake / "io").mkdir(parents=True)
     (fake / "ops").mkdir()
     for f in ("__init__.py", "io/__init__.py", "ops/__init__.py", "ops/make.py"):
         (fake / f).write_text("")
-    (fake / "io" / "checkpoint.py").write_text("def f():\n    from pulsediff.ops.make import _helper\n")
+    (fake / "io" / "checkpoint.py").write_text(code)
     monkeypatch.setitem(globals(), "PACKAGE", fake)
     monkeypatch.setitem(globals(), "MODULES", {module_name(p): p for p in sorted(fake.rglob("*.py"))})
-    with pytest.raises(AssertionError, match="io/checkpoint.py:2 imports pulsediff.ops.make"):
-        test_imports_point_down_only()
-    with pytest.raises(AssertionError, match="_helper"):
-        test_no_module_imports_private_names_of_another()
+    test = {"up": test_imports_point_down_only, "private": test_no_module_imports_private_names_of_another,
+            "dynamic": test_no_dynamic_imports_below_the_public_api}[check]
+    with pytest.raises(AssertionError, match=words.replace(".", r"\.").replace("(", r"\(")):
+        test()
 
 
 def test_the_public_api_is_where_it_was():
+    """Every public name is defined where the lazy table says (not a re-import that could go stale)."""
+    import importlib
+
     import pulsediff
 
-    for name in pulsediff.__all__:
-        assert callable(getattr(pulsediff, name)) or name == "__version__", name
+    assert set(pulsediff._HOMES) | {"__version__"} == set(pulsediff.__all__)
+    for name, home in pulsediff._HOMES.items():
+        obj = getattr(pulsediff, name)
+        assert callable(obj) and obj.__module__ == home and getattr(importlib.import_module(home), name) is obj, name
     assert pulsediff.__version__ and "catch_up_state_dict" in dir(pulsediff)

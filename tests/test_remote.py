@@ -34,9 +34,10 @@ if not os.environ.get("CI"):  # CI installs the test extra: there a missing obst
 from pulsediff.io.atomic import _HOST, TMP_SUFFIX  # noqa: E402
 from pulsediff.errors import InvalidManifestError, PulsediffError  # noqa: E402
 from pulsediff.format.manifest import MANIFEST, Manifest  # noqa: E402
-from pulsediff.series.catch_up import catch_up, plan_catch_up
+from pulsediff.series.catch_up import catch_up, plan_catch_up  # noqa: E402
 from pulsediff.series.publish import publish_once  # noqa: E402
-from pulsediff.series.remote import PublishConflictError, open_store  # noqa: E402
+from pulsediff.errors import PublishConflictError  # noqa: E402
+from pulsediff.series.remote import open_store  # noqa: E402
 
 PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 STEPS = 6

@@ -57,7 +57,7 @@ def chain_of(tmp_path, states) -> tuple[list, list]:
 
 
 def chain_windows_results(monkeypatch) -> list:
-    """What apply.chain_windows returns from now on, tensor by tensor (Windows or Rebuild)."""
+    """What rebuild.chain_windows returns from now on, tensor by tensor (Windows or Rebuild)."""
     seen, real = [], apply_mod.chain_windows
     monkeypatch.setattr(apply_mod, "chain_windows", lambda *a: seen.append(r := real(*a)) or r)
     return seen
@@ -137,7 +137,7 @@ def test_ctx_rans_decode_alone_matches_decode(name, dtype, density):
 
 @pytest.mark.parametrize("threads", ["1", "3"])
 def test_a_chain_rebuilds_large_tensors_window_by_window(tmp_path, monkeypatch, threads):
-    """Tensors above the window go through every link window by window (apply.chain_windows):
+    """Tensors above the window go through every link window by window (rebuild.chain_windows):
     the output is the target's bytes, and the links' windows, not whole tensors, are in memory."""
     monkeypatch.setenv("PULSEDIFF_THREADS", threads)
     monkeypatch.setattr(rebuild_mod, "WINDOW_ELEMENTS", 300)

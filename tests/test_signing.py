@@ -480,9 +480,9 @@ def test_a_record_of_the_first_format_still_counts_for_its_source(tmp_path):
 def swapper(monkeypatch, pub: Path, name: str, evil: bytes, which: str):
     """check_file as it is, then `name` replaced by `evil` right after it passed: in the series folder
     (`which` == "folder"), or wherever catch-up will read it from (its private copy, when it makes one)."""
-    from pulsediff.series import catch_up as series
+    from pulsediff.series import catch_up as catch_up_mod
 
-    real = series.check_file
+    real = catch_up_mod.check_file
     swapped = []
 
     def check(path, e, *args, **kwargs):
@@ -494,7 +494,7 @@ def swapper(monkeypatch, pub: Path, name: str, evil: bytes, which: str):
             swapped.append(target)
         return problem
 
-    monkeypatch.setattr(series, "check_file", check)
+    monkeypatch.setattr(catch_up_mod, "check_file", check)
     return swapped
 
 

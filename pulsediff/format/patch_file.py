@@ -19,6 +19,7 @@ from pulsediff.io.checkpoint import INDEX_NAME
 from pulsediff.io.folder_files import file_hash
 from pulsediff.io.safetensors_header import HeaderError, parse_header
 
+
 def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, BinaryIO | None]:
     """Read and validate a patch's header. Returns (reader, header, stream to close or None)."""
     if isinstance(patch, (str, Path)) and str(patch) == "-":

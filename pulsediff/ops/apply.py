@@ -254,7 +254,7 @@ def _base_mismatch(header: PatchHeader, base_ids: dict[str, TensorId], digest: s
                                 if unchecked else ""))
 
 
-# -- rebuilding -----------------------------------------------------------------
+# -- the target folder's other files ---------------------------------------------
 
 
 class FolderFileSources:

@@ -17,6 +17,11 @@ from pulsediff.format.header import TensorRecord
 from pulsediff.format.patch_file import Link
 from pulsediff.io.checkpoint import TensorView
 
+# Elements per window of a windowed rebuild: 16 MiB of BF16, large enough to
+# keep every worker thread busy, small enough to stay near the cache.
+WINDOW_ELEMENTS = 1 << 23
+
+
 def carry_through(name: str, links: list[Link], view: TensorView, backend, scratch: Scratch) -> np.ndarray:
     """The tensor after the last link: from the last link that carries it whole, or from the base."""
     return chain_rebuild(name, links, view, backend).run(scratch)
@@ -140,11 +145,6 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
         raise CorruptPatchError(source, f"tensor {rec.name!r} rebuilds to {bits.size} elements of "
                                         f"{bits.dtype.itemsize} bytes; the header says {rec.numel} of {rec.dtype.itemsize}")
     return bits
-
-
-# Elements per window of a windowed rebuild: 16 MiB of BF16, large enough to
-# keep every worker thread busy, small enough to stay near the cache.
-WINDOW_ELEMENTS = 1 << 23
 
 
 def rebuild_windows(rec: TensorRecord, payload: bytes, base_bits: np.ndarray, backend, source: str,

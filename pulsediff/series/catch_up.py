@@ -6,7 +6,7 @@ checks every file on it and applies it as one chain; a missing or damaged file
 is dropped from the graph and another path tried, so the result is the newest
 checkpoint or an error, never a wrong checkpoint. `catch_up_state_dict` does
 the same for live tensors in memory. The source is a folder, an S3 prefix or
-an HTTP(S) URL, read through a `Store` (store.py), which downloads and caches.
+an HTTP(S) URL, read through a `Store` (store.py; S3, HTTP and the download cache: remote.py).
 
 Signed series (signing.py, docs/FORMAT.md §8.1): `catch_up(trust=KEYS)` uses
 only a manifest signed by one of KEYS, not older than one it accepted before,
@@ -308,7 +308,7 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
     a GPU, a copy of every tensor); the chain's first patch checks the base all the same
     (by word sums under check="sums"), though a `digest` that names the newest step is
     taken at its word. `check` is apply_to_state_dict's. `trust` and `trust_state`: as
-    series.catch_up's (a signed series: the manifest signed by a trusted key and not older than
+    `catch_up`'s (a signed series: the manifest signed by a trusted key and not older than
     one accepted before, each file's SHA-256 the one it names)."""
     from pulsediff.ops.live import apply_to_state_dict, state_dict_digest
     from pulsediff.series.signing import as_trust
@@ -324,7 +324,7 @@ def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: 
     if digest == newest.target:
         return LiveCatchUp("up-to-date", manifest.step_of(digest), 0, 0, digest)
     # With trust, every file is copied while hashed and applied from that private copy: one swapped in
-    # the folder after its check is never read (series.PrivateCopies).
+    # the folder after its check is never read (PrivateCopies, below).
     private = PrivateCopies() if trust is not None else None
     try:
         drop: set[str] = set()

@@ -20,7 +20,7 @@ Every file appears atomically (written under a temporary name, then renamed),
 and the manifest is replaced last, so an rsync running at any moment copies
 either the old state or the new one, never half a file. The folder may also
 be an S3 prefix, and catch-up's source an S3 prefix or an HTTP(S) URL: both
-sides talk to a `Store` (store.py), which uploads, downloads and caches.
+sides talk to a `Store` (store.py; S3, HTTP and the cache: remote.py).
 Workers follow it with catch_up.py.
 
 Signed series (signing.py, docs/FORMAT.md §8.1): `publish(sign=KEYFILE)`

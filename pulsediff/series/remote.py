@@ -43,7 +43,8 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 from pulsediff.io.atomic import TMP_SUFFIX, output_error, remove_stale_temporaries, temp_prefix
-from pulsediff.errors import InvalidManifestError, MissingExtraError, PulsediffError, UsageError
+from pulsediff.errors import (FetchError, InvalidManifestError, MissingExtraError, PublishConflictError, PulsediffError,
+                              UsageError)
 from pulsediff.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifest
 from pulsediff.runtime.progress import SILENT, Progress
 from pulsediff.series.store import Check, Folder, Store
@@ -55,22 +56,6 @@ SINGLE_PUT_LIMIT = 256 << 20  # larger files go up in parts (conditional puts ar
 PART_SUFFIX = ".part"
 REMOTE_SCHEMES = ("s3", "http", "https")
 REMOTE_EXTRA = "pip install 'pulsediff[remote]'"
-
-FETCH_THREADS = 8  # files downloaded at once: enough to fill a link, few enough for a small worker
-CHUNK = 64 << 10  # bytes per write to the cache file: what a dropped connection can lose, at most
-IN_RUN_RESUMES = 2  # a connection that drops mid-file is resumed this often before catch-up gives up
-SINGLE_PUT_LIMIT = 256 << 20  # larger files go up in parts (conditional puts are single requests, held in memory)
-PART_SUFFIX = ".part"
-REMOTE_SCHEMES = ("s3", "http", "https")
-REMOTE_EXTRA = "pip install 'pulsediff[remote]'"
-
-
-class FetchError(PulsediffError, OSError):
-    """A source that cannot be reached, or refuses us, past the retries: no path around it."""
-
-
-class PublishConflictError(PulsediffError, FileExistsError):
-    """Another publisher's object or manifest is where this publish would write."""
 
 
 def is_remote(spec: str | os.PathLike) -> bool:
