@@ -239,6 +239,46 @@ def test_truncated_from_outside_at_random_moments(big_pair, tmp_path):
             assert list(out.iterdir()) == [], err
 
 
+# Another checkpoint, open in the same process, is cut short and read past its new end (the guard
+# maps zeros there and marks it); then make and apply of an unrelated pair run in that process.
+OTHER_CUT = """
+import os, sys
+from pathlib import Path
+from pulsediff import apply_patch, make_patch
+from pulsediff.errors import CheckpointChangedError
+from pulsediff.io.checkpoint import Checkpoint
+old, new, other, work = map(Path, sys.argv[1:5])
+ckpt = Checkpoint(other)
+os.truncate(other, other.stat().st_size // 2)
+print(int(ckpt.raw_bytes(ckpt.names[-1]).sum()))  # the last tensor lies past the cut: zeros, and a fault
+try:
+    ckpt.check_intact()
+except CheckpointChangedError as exc:
+    print("other: refused")
+make_patch(old, new, work / "p.pulsediff", device="cpu")
+apply_patch(old, work / "p.pulsediff", work / "out.safetensors", device="cpu")
+print("same" if (work / "out.safetensors").read_bytes() == new.read_bytes() else "DIFFERENT")
+try:
+    ckpt.close()
+except CheckpointChangedError:
+    print("other: refused at close")
+"""
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "aarch64")),
+                    reason="the guard is installed on Linux x86-64 and AArch64 only")
+def test_a_checkpoint_that_changed_refuses_only_what_is_made_from_it(pair, tmp_path):
+    """make and apply check their own inputs before they commit, not every file mapped in the
+    process: a library user's other checkpoint, cut short in another thread's work, refused them
+    (review of issue 23's guard: the check was process-wide)."""
+    old, new = pair
+    other = _copy(old, tmp_path / "other.safetensors")
+    proc = subprocess.run([sys.executable, "-c", OTHER_CUT, str(old), str(new), str(other), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[1:4] == ["other: refused", "same", "other: refused at close"], proc.stdout
+
+
 # -- the guard itself (pulsediff/io/mapped.py) -----------------------------------------------------
 
 GUARD = """

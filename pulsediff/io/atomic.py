@@ -57,6 +57,15 @@ FOREIGN_TMP_AGE = 24 * 3600  # seconds before a temporary file whose writer we c
 _swept: set[str] = set()  # folders already cleaned by this process
 
 
+def check_inputs(inputs: "list | None") -> None:
+    """Raise if one of `inputs` (checkpoints; None: every file mapped in the process) changed while read."""
+    if inputs is None:
+        mapped.check()
+    else:
+        for ckpt in inputs:
+            ckpt.check_intact()
+
+
 def output_error(path: Path | str, exc: OSError) -> OutputError:
     if exc.errno == errno.ENOSPC:
         reason = "no space left on device"
@@ -73,9 +82,14 @@ class StagedFiles:
     `new_folder(path)` stages a whole folder that does not exist yet: its
     files are written inside a temporary folder, which is renamed to `path`
     at commit, so the folder appears complete or not at all.
+
+    `inputs`: the checkpoints the outputs are made from; commit checks that none of them changed
+    while it was read. None checks every file mapped in the process (outputs made from no mapped
+    input, or callers that cannot say): a change to another thread's input then refuses this one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: "list | None" = None) -> None:
+        self._inputs = inputs
         self._staged: list[tuple[Path, Path]] = []  # (temporary, final)
         self._folders: dict[Path, Path] = {}  # final folder -> temporary folder
         self._removals: list[Path] = []  # files to delete at commit (an in-place folder's stale shards)
@@ -143,7 +157,7 @@ class StagedFiles:
         from pulsediff.runtime import interrupt
 
         interrupt.check()  # a Ctrl-C that a finalizer swallowed earlier stops us here, before anything is visible
-        mapped.check()  # an input that shrank while read gave zeros: nothing made from it is published
+        check_inputs(self._inputs)  # an input that shrank while read gave zeros: nothing made of it is published
         renames = [(tmp, final) for tmp, final in self._staged if final not in self._folders]
         by_folder: dict[Path, list] = {}
         for tmp, final in renames:

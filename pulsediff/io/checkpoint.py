@@ -262,6 +262,14 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(8 + len(s.header.raw) + s.header.data_bytes for s in self.shards)
 
+    def check_intact(self) -> None:
+        """Raise CheckpointChangedError (or CheckpointReadError) if one of this checkpoint's files
+        shrank, or was written over, while mapped: what was read from it is not to be trusted."""
+        for s in self.shards:
+            err = mapped.changed(s._guard)
+            if err is not None:
+                raise err
+
     def close(self, verify: bool = True) -> None:
         """Unmap the files. Raises CheckpointChangedError if one of them shrank while it was mapped:
         whatever was computed from its bytes since is not to be trusted. `verify=False`: the caller has

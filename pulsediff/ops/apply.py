@@ -187,7 +187,8 @@ def _apply_streaming(link: Link, view: TensorView, backend, out_path: Path, prog
         reader.expect_end(header.sections_length)
 
     target = receiver or _TargetFiles.of_patch(header, layout_blob, reader.source)
-    _write_target(header, target, target_bits, files, out_path, progress, before_commit, scratch, backend)
+    _write_target(header, target, target_bits, files, out_path, progress, before_commit, scratch, backend,
+                  inputs=[view.ckpt])
 
 
 def _apply_random_access(links: list[Link], final_link: Link, view: TensorView, backend, out_path: Path,
@@ -208,7 +209,8 @@ def _apply_random_access(links: list[Link], final_link: Link, view: TensorView, 
         return chain_windows(chain_rebuild(rec.name, links, view, backend), link_scratch)
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
-    _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend)
+    _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend,
+                  inputs=[view.ckpt])
 
 
 # -- base checks --------------------------------------------------------------
@@ -520,7 +522,7 @@ class _SideBySide:
 
 
 def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files: FolderFileSources, out_path: Path,
-                  progress: Progress, before_commit, scratch: Scratch, backend) -> None:
+                  progress: Progress, before_commit, scratch: Scratch, backend, inputs: list) -> None:
     """Write the target's files from staged temporaries; rename only once all is verified.
 
     A new output folder is built whole under a temporary name and renamed
@@ -531,7 +533,7 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
     writer = _PipelinedWriter()  # tensor data goes out while the next is rebuilt
     tensors = _SideBySide([rec for _, _, records in target.files for rec in records], target_bits, scratch,
                           min(backend.side_by_side(), MAX_SIDE_BY_SIDE))
-    with StagedFiles() as staged:
+    with StagedFiles(inputs) as staged:  # the base: the one mapped input the output is made from
         if target.kind == "dir" and not out_path.exists():
             staged.new_folder(out_path)
         try:

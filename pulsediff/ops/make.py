@@ -21,8 +21,7 @@ from functools import partial
 from typing import Callable, Mapping
 
 from pulsediff.version import __version__
-from pulsediff.io import mapped
-from pulsediff.io.atomic import StagedFiles
+from pulsediff.io.atomic import StagedFiles, check_inputs
 from pulsediff.io.checkpoint import Checkpoint, TensorData, TensorView
 from pulsediff.ops.live import open_source
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
@@ -62,6 +61,7 @@ class TargetSource:
     prefetch: Callable[[str], None] | None = None  # reads a tensor's bytes into memory ahead of `get`
     release: Callable[[str], None] | None = None  # done with a tensor's bytes: unmap them
     finished: Callable[[], None] | None = None  # everything read and checked: close the inputs unverified
+    inputs: list | None = None  # the checkpoints `get` reads (None: unknown, so every mapped file is checked)
 
     @classmethod
     def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
@@ -72,7 +72,7 @@ class TargetSource:
         return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get,
                    [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
                    others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release,
-                   finished=lambda: new.ckpt.close(verify=False))
+                   finished=lambda: new.ckpt.close(verify=False), inputs=[new.ckpt])
 
 
 def make_patch(
@@ -132,7 +132,8 @@ def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str
     backend = get_backend(device)
     with open_source(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
         header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress)
-        mapped.check()  # an input that shrank while read gave zeros: no patch is made of them
+        inputs = [old_ckpt, *target.inputs] if target.inputs is not None else None
+        check_inputs(inputs)  # an input that shrank while read gave zeros: no patch is made of them
         # Every byte of both inputs is read (the patch is in the spool) and has just been checked: a
         # shrink from now on changes nothing in the patch, so closing must not report one after it is out.
         old_ckpt.close(verify=False)
@@ -144,7 +145,7 @@ def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str
             _emit(sys.stdout.buffer, header_frame, spool)
             sys.stdout.buffer.flush()
         elif isinstance(out, (str, Path)):
-            with StagedFiles() as staged:
+            with StagedFiles(inputs) as staged:
                 with staged.open(Path(out)) as f:
                     _emit(f, header_frame, spool)
                 staged.commit()
