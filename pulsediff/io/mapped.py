@@ -215,6 +215,11 @@ def watch(address: int, length: int, path: str, size: int, identity: tuple | Non
         if slot is None:
             return None  # more mapped files than slots: the rest unguarded
         faulted[slot] = 0
+        # Plain stores, in this order, so that a handler never sees a range reaching past this map.
+        # A CPU that reorders stores (AArch64) could show another core a start before its end; but
+        # no other thread reads this map before its address reaches it through a lock or a queue,
+        # whose release and acquire order these stores before that read. A fault in the window
+        # would need a read of an address nobody was given yet.
         ranges[2 * slot] = 0  # empty while its end is written: the handler may read at any moment
         ranges[2 * slot + 1] = address + length
         ranges[2 * slot] = address
