@@ -34,6 +34,15 @@ base during `apply`, the base and the new checkpoint during `make`. After
 each: no death by a signal (SIGBUS was the failure), either success with a
 correct output (the shrink came after the last read) or exit 1 with one line
 naming the file and no output, and no temporary file left.
+
+Remote trials (`--remote-trials N`, 30 by default; needs obstore, the
+`remote` extra): `pulsediff catch-up` from a local HTTP server that fails
+each GET of a patch at random (a 500, a 404, a body cut short after its
+headers promised it whole, or one byte flipped), from a random worker step.
+After each: exit 0 with the worker bit for bit the published step it
+reports; or exit 1 with one line, and the worker either as it was or, where
+the line says it stopped at step K (the newest step unreachable from intact
+files), bit for bit step K; no temporary file beside the worker.
 """
 
 from __future__ import annotations
@@ -457,6 +466,134 @@ def shrink_trials(n: int, root: Path, seed: int = 0) -> dict:
     return results
 
 
+# -- remote trials: a server that fails objects -----------------------------------------
+
+
+FAULTS = ("ok", "ok", "500", "404", "reset", "flip")  # what one GET of a patch gets; "ok" twice as often
+
+
+class FaultyServer:
+    """http.server over `root` that answers each GET of a .pulsediff file with a fault drawn from FAULTS
+    (the manifest is always served whole)."""
+
+    def __init__(self, root: Path, seed: int):
+        import socket
+        import threading
+        from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+        rng = random.Random(seed)
+        lock = threading.Lock()
+        self.faults = Counter()
+        outer = self
+
+        class Handler(SimpleHTTPRequestHandler):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, directory=str(root), **kwargs)
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if not self.path.endswith(".pulsediff"):
+                    return super().do_GET()
+                with lock:
+                    fault = rng.choice(FAULTS)
+                    outer.faults[fault] += 1
+                if fault == "ok":
+                    return super().do_GET()
+                if fault in ("500", "404"):
+                    self.send_error(int(fault))
+                    return
+                data = bytearray((root / self.path.lstrip("/")).read_bytes())
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if fault == "flip":
+                    data[len(data) // 2] ^= 0x40
+                    self.wfile.write(bytes(data))
+                    return
+                self.wfile.write(bytes(data[: len(data) // 2]))  # "reset": half, then the connection goes
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):  # a client that hung up on a fault: expected
+                pass
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("obstore") is None:
+        print("remote trials skipped: obstore is not installed (pip install 'pulsediff[remote]')", flush=True)
+        return {"skipped": "obstore is not installed"}
+    from ckpt_factory import save_series
+    from pulsediff.series.publish import publish_once
+
+    steps = 8
+    train, pub = root / "train", root / "pub"
+    train.mkdir(parents=True, exist_ok=True)
+    save_series(train, steps, seed=31, shape=(256, 256), tensors=4, density=0.02)
+    publish_once(train, pub, anchor_every=4, settle=0)
+    published = {step: (train / f"step_{step:06d}.safetensors").read_bytes() for step in range(steps + 1)}
+    rng = random.Random(seed)
+    counts, problems = Counter(), []
+    server = FaultyServer(root, seed)
+    try:
+        for t in range(n):
+            trial = root / f"remote-{t}"
+            shutil.rmtree(trial, ignore_errors=True)
+            trial.mkdir()
+            worker = trial / "worker.safetensors"
+            start = rng.choice([None, 0, 1, 3, 5, 7])
+            if start is not None:
+                worker.write_bytes(published[start])
+            before = worker.read_bytes() if worker.exists() else None
+            proc = subprocess.run(_cli("catch-up", worker, f"{server.url}/pub", "--cache", trial / "cache", "--json"),
+                                  capture_output=True, text=True, timeout=600)
+            err = proc.stderr.strip()
+            now = worker.read_bytes() if worker.exists() else None
+            left = [p.name for p in trial.iterdir() if p.name.startswith(".")]
+            problem = None
+            if proc.returncode == 0:
+                step = json.loads(proc.stdout)["step"]
+                counts["reached the newest step" if step == steps else "stopped short, reported"] += 1
+                if now != published.get(step):
+                    problem = f"exit 0 at step {step}, but the worker is not that step's checkpoint"
+            elif proc.returncode == 1:
+                stopped = re.search(r"stopped at step (\d+):", err)
+                counts["went part of the way, said where (exit 1)" if stopped else "refused"] += 1
+                if len(err.splitlines()) != 1 or "Traceback" in err:
+                    problem = f"not one line: {err[-300:]!r}"
+                elif stopped and now != published.get(int(stopped.group(1))):
+                    problem = f"says it stopped at step {stopped.group(1)}, but the worker is not that step: {err!r}"
+                elif not stopped and now != before:
+                    problem = f"refused, but the worker changed: {err[-300:]!r}"
+            else:
+                problem = f"exit {proc.returncode}: {err[-300:]!r}"
+            if left:
+                problem = (problem + "; " if problem else "") + f"temporaries left: {left}"
+            if problem:
+                problems.append(f"trial {t} (from step {start}): {problem}")
+            shutil.rmtree(trial, ignore_errors=True)
+    finally:
+        server.close()
+    result = {"trials": n, "counts": dict(counts), "faults_served": dict(server.faults), "problems": problems}
+    print(f"remote trials: {dict(counts)}; faults served {dict(server.faults)}; problems: {len(problems)}", flush=True)
+    return result
+
+
 # -- main ----------------------------------------------------------------------------
 
 
@@ -478,6 +615,7 @@ def main() -> None:
     ap.add_argument("--numba-threads", type=int, default=1, help="NUMBA_NUM_THREADS of each worker")
     ap.add_argument("--kill-trials", type=int, default=50, help="per kind of apply; 0 to skip")
     ap.add_argument("--shrink-trials", type=int, default=30, help="per input truncated while read; 0 to skip")
+    ap.add_argument("--remote-trials", type=int, default=30, help="catch-ups from a failing server; 0 to skip")
     ap.add_argument("--kinds", nargs="*", help="only these case kinds")
     ap.add_argument("--seed-offset", type=int, default=0)
     ap.add_argument("--root", type=Path, help="where the corpus and the workers' folders go (default: a temp dir)")
@@ -509,6 +647,10 @@ def main() -> None:
         t = time.monotonic()
         report["shrink_trials"] = shrink_trials(args.shrink_trials, root / "shrink")
         report["shrink_trials_wall_s"] = time.monotonic() - t
+    if args.remote_trials:
+        t = time.monotonic()
+        report["remote_trials"] = remote_trials(args.remote_trials, root / "remote")
+        report["remote_trials_wall_s"] = time.monotonic() - t
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

@@ -56,3 +56,21 @@ def test_bench_variants_compares_thread_counts_and_devices(tmp_path):
         rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {variants[1]} |")
                 or line.startswith(f"| {variants[2]} |")]
         assert len(rows) == 2 and rows[0].endswith("| 1.00 | 1.00 |"), proc.stdout
+
+
+def test_fuzz_campaign_trials_run_and_find_nothing(tmp_path):
+    """The shrink and remote trials of scripts/fuzz_campaign.py, a few of each: they run, count every
+    trial, and find no problem (the long campaign is run by hand; docs/benchmarks-log.md)."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "fuzz_campaign.py"), "--cases", "0", "--kill-trials", "0",
+                           "--shrink-trials", "2", "--remote-trials", "4", "--root", str(tmp_path / "w"),
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    for mode, result in r["shrink_trials"].items():
+        assert result["problems"] == [], (mode, result)
+        finished = result["counts"].get("finished (the shrink came after the reads)", 0)
+        assert finished + result["counts"].get("refused", 0) == 2, (mode, result)
+    remote = r["remote_trials"]
+    assert remote["problems"] == [], remote
+    assert sum(remote["counts"].values()) == 4 and sum(remote["faults_served"].values()) >= 4, remote
