@@ -392,11 +392,21 @@ def test_one_rollback_record_whatever_the_url_spelling(train, signed, http, tmp_
     ("http://[::1]:9000/x/", "http://[::1]:9000/x"),
     ("s3://bkt//pre/fix/", "s3://bkt/pre/fix"),
     ("s3://bkt", "s3://bkt"),
+    ("https://h/a/../x/./?token=1", "https://h/x"),
+    ("https://h//x", "https://h/x"),
 ])
 def test_url_identity(url, identity):
     from pulsediff.series.remote import url_identity
 
     assert url_identity(url) == identity
+
+
+def test_a_url_that_does_not_parse_is_a_usage_error():
+    from pulsediff.errors import UsageError
+    from pulsediff.series.remote import url_identity
+
+    with pytest.raises(UsageError, match="not a URL"):
+        url_identity("http://[::1/x")
 
 
 @pytest.mark.parametrize("via", ["s3", "http"])

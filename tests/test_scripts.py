@@ -73,4 +73,4 @@ def test_fuzz_campaign_trials_run_and_find_nothing(tmp_path):
         assert finished + result["counts"].get("refused", 0) == 2, (mode, result)
     remote = r["remote_trials"]
     assert remote["problems"] == [], remote
-    assert sum(remote["counts"].values()) == 4 and sum(remote["faults_served"].values()) >= 4, remote
+    assert sum(remote["counts"].values()) == 4 and sum(remote["patch_gets"].values()) >= 4, remote

@@ -159,7 +159,8 @@ def test_input_written_over_in_place_during_make(pair, tmp_path, which):
     assert list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize("command, which", [("apply", "base"), ("make", "old"), ("make", "new")])
+@pytest.mark.parametrize("command, which", [("apply", "base"), ("make", "old"), ("make", "new"),
+                                            ("squash", "base")])
 def test_an_input_cut_after_the_output_is_committed_is_no_error(pair, tmp_path, command, which):
     """Once the output is checked and committed, an input cut short touches nothing pulsediff made:
     exit 0 and a whole output (found by the shrink trials of scripts/fuzz_campaign.py: closing the
@@ -174,6 +175,15 @@ def test_an_input_cut_after_the_output_is_committed_is_no_error(pair, tmp_path, 
         proc = _run_hooked(["apply", old, patch, "-o", out / "new.safetensors", "-q"], old, 100, -1)
         assert proc.returncode == 0, proc.stderr.decode()
         assert (out / "new.safetensors").read_bytes() == want
+    elif command == "squash":  # a chain of one patch, squashed from a base that is cut once it is out
+        base = _copy(old, tmp_path / "base.safetensors")
+        patch = tmp_path / "p.pulsediff"
+        subprocess.run([*PULSEDIFF, "make", old, new, "-o", patch, "-q"], check=True, timeout=300)
+        proc = _run_hooked(["squash", old, patch, "-o", out / "p.pulsediff", "-q"], old, 100, -1)
+        assert proc.returncode == 0, proc.stderr.decode()
+        subprocess.run([*PULSEDIFF, "apply", base, out / "p.pulsediff", "-o", tmp_path / "rebuilt.safetensors",
+                        "-q"], check=True, timeout=300)
+        assert (tmp_path / "rebuilt.safetensors").read_bytes() == want
     else:
         victim = old if which == "old" else new
         base = _copy(old, tmp_path / "base.safetensors")
@@ -277,6 +287,36 @@ def test_a_checkpoint_that_changed_refuses_only_what_is_made_from_it(pair, tmp_p
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[1:4] == ["other: refused", "same", "other: refused at close"], proc.stdout
+
+
+# A checkpoint closed while a view of it is alive (its map cannot close yet), then cut short.
+CLOSED_WITH_A_VIEW = """
+import os, sys
+from pathlib import Path
+from pulsediff.io import mapped
+from pulsediff.io.checkpoint import Checkpoint
+path = Path(sys.argv[1])
+ckpt = Checkpoint(path)
+view = ckpt.raw_bytes(ckpt.names[-1])  # keeps the map alive past close
+ckpt.close()
+os.truncate(path, path.stat().st_size // 2)
+print(int(view.sum()))  # past the new end: zeros through the guard, no SIGBUS
+mapped.check()  # the closed checkpoint's slot is out of the checks: another output is not refused
+ckpt.check_intact()
+print("not refused")
+"""
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "aarch64")),
+                    reason="the guard is installed on Linux x86-64 and AArch64 only")
+def test_a_checkpoint_closed_with_a_live_view_stays_guarded_but_refuses_nothing_later(pair, tmp_path):
+    """Review of issue 23: its slot stayed in every later check, so a file it had once mapped, cut
+    short long after, refused a manifest or patch made of other files."""
+    victim = _copy(pair[0], tmp_path / "victim.safetensors")
+    proc = subprocess.run([sys.executable, "-c", CLOSED_WITH_A_VIEW, str(victim)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "not", "refused"], proc.stdout
 
 
 # -- the guard itself (pulsediff/io/mapped.py) -----------------------------------------------------

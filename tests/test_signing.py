@@ -129,7 +129,7 @@ def test_a_private_key_others_can_read_is_refused(tmp_path, train, keys, mode):
     key = tmp_path / "trainer.key"
     key.write_bytes(keys["ours"][0].read_bytes())
     key.chmod(mode)
-    refused(cli("publish", train, tmp_path / "pub", "--settle", "0", "--sign", key), "other users",
+    refused(cli("publish", train, tmp_path / "pub", "--settle", "0", "--sign", key), "accessible to other users",
             f"chmod 600 {key}")
     assert not (tmp_path / "pub").exists() or not any((tmp_path / "pub").iterdir())
     refused(cli("keygen", "--public", key), "other users")

@@ -117,7 +117,7 @@ class Manifest:
         return None if data is None else parse_manifest(data, str(path))
 
     def save(self, folder: Path) -> None:
-        with StagedFiles() as staged:
+        with StagedFiles(inputs=()) as staged:  # made of no mapped checkpoint
             with staged.open(Path(folder) / MANIFEST) as f:
                 f.write(self.to_bytes())
             staged.commit()

@@ -84,8 +84,9 @@ class StagedFiles:
     at commit, so the folder appears complete or not at all.
 
     `inputs`: the checkpoints the outputs are made from; commit checks that none of them changed
-    while it was read. None checks every file mapped in the process (outputs made from no mapped
-    input, or callers that cannot say): a change to another thread's input then refuses this one.
+    while it was read. () for outputs made from no mapped checkpoint (a manifest, a key): nothing
+    to check. None, for callers that cannot say, checks every file mapped in the process (a change
+    to another thread's input then refuses this output too).
     """
 
     def __init__(self, inputs: "list | None" = None) -> None:

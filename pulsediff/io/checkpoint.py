@@ -292,7 +292,10 @@ class Checkpoint:
                     # A view is still alive: the map closes when it is collected, its slot left until a
                     # new map over its addresses clears it (mapped.watch). Not a finalizer: one run by
                     # the garbage collector inside watch, which holds the guard's lock, deadlocked.
-                    pass
+                    # The slot keeps guarding the range but leaves mapped.check: this checkpoint is
+                    # closed, and a change to its file must not refuse what later work publishes.
+                    mapped.retire(s._guard)
+                    s._guard = None
                 s._map = None
         if changed is not None:
             raise changed

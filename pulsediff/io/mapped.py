@@ -143,6 +143,7 @@ if hasattr(os, "register_at_fork"):
 
 _state = None  # (engine, ranges, faulted) once installed; False where it cannot be
 _paths: dict[int, tuple] = {}  # slot -> (path, size when mapped, (device, inode, mtime) when mapped or None)
+_retired: set[int] = set()  # slots of checkpoints closed while a view was alive: guarded, never checked
 
 
 def _install():
@@ -211,6 +212,7 @@ def watch(address: int, length: int, path: str, size: int, identity: tuple | Non
             ranges[2 * stale + 1] = 0
             ranges[2 * stale] = 0
             del _paths[stale]
+            _retired.discard(stale)
         slot = next((s for s in range(SLOTS) if s not in _paths), None)
         if slot is None:
             return None  # more mapped files than slots: the rest unguarded
@@ -236,6 +238,17 @@ def unwatch(slot: int | None) -> None:
         ranges[2 * slot + 1] = 0
         ranges[2 * slot] = 0
         _paths.pop(slot, None)
+        _retired.discard(slot)
+
+
+def retire(slot: int | None) -> None:
+    """The checkpoint that mapped `slot` is closed but a view keeps the map alive: go on guarding the
+    range (a read through the view must not die of SIGBUS) but leave it out of `check`."""
+    if slot is None:
+        return
+    with _lock:
+        if slot in _paths:
+            _retired.add(slot)
 
 
 def changed(slot: int | None) -> "CheckpointChangedError | CheckpointReadError | None":
@@ -280,7 +293,7 @@ def check() -> None:
     if not _state:
         return
     with _lock:
-        slots = list(_paths)
+        slots = [s for s in _paths if s not in _retired]
     for slot in slots:
         err = changed(slot)
         if err is not None:

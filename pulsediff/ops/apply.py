@@ -150,8 +150,8 @@ def apply_chain(
                 _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links)
             else:
                 _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver)
-            # Committed: every rebuilt tensor matched the target and no input had changed (the commit's
-            # mapped.check). A base cut short from now on is read by nothing; no error after the fact.
+            # Committed: every rebuilt tensor matched the target and the base had not changed (the
+            # commit's check_intact). A base cut short from now on is read by nothing; no error after it.
             base_ckpt.close(verify=False)
         return ApplyResult("applied", out_path, final, len(links), base_is_target,
                            layout_from_base=receiver is not None)

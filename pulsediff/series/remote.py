@@ -67,26 +67,29 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 def url_identity(url: str) -> str:
     """One spelling per remote series, under which a signed series' rollback record is kept: the scheme
-    and host in lower case (both are case-insensitive), no user name or password, no default port, and
-    the path without trailing slashes; for S3, also without leading or doubled ones (the prefix is a key
-    prefix: s3://b/x/, s3://b//x and s3://B/x are one series). Written another way by the same worker,
-    a series would start a fresh record, and the record is what refuses a replayed older manifest."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
+    and host in lower case (both are case-insensitive), no user name or password, no default port, no
+    query, and the path without empty or '.' segments, '..' resolved, no trailing slash (s3://b/x/,
+    s3://b//x, s3://B/x and https://h/a/../x?token=1 against https://h/x are one series each). Another
+    spelling of one series would start a fresh record, and the record is what refuses a replayed older
+    manifest; two series merged under one spelling only make a worker refuse more, never accept more."""
     try:
+        parts = urlsplit(url)
         port = parts.port
-    except ValueError:
-        port = None  # not a number: left as written, and the store will refuse it
+    except ValueError as exc:
+        raise UsageError(f"{url}: not a URL pulsediff can read ({exc})") from None
+    scheme = parts.scheme.lower()
     host = (parts.hostname or "").lower()
     if ":" in host:
         host = f"[{host}]"  # an IPv6 literal keeps its brackets
     netloc = host if port in (None, _DEFAULT_PORTS.get(scheme)) else f"{host}:{port}"
-    if scheme == "s3":
-        path = "/" + "/".join(part for part in parts.path.split("/") if part)
-    else:
-        path = parts.path.rstrip("/")
-    query = f"?{parts.query}" if parts.query else ""
-    return f"{scheme}://{netloc}{path.rstrip('/')}{query}"
+    segments: list[str] = []
+    for part in parts.path.split("/"):
+        if part == "..":
+            if segments:
+                segments.pop()
+        elif part not in ("", "."):
+            segments.append(part)
+    return f"{scheme}://{netloc}" + "".join("/" + part for part in segments)
 
 
 def open_store(spec: "str | os.PathLike | Store", *, cache: Path | None = None) -> "Store":

@@ -139,16 +139,18 @@ def load_private_key(path: Path):
 
 
 def _check_private(path: Path) -> None:
-    """Refuse a private key file others may read, as ssh does: a key every user of the machine (or
-    of its group) could have copied signs nothing the workers should take as the publisher's."""
+    """Refuse a private key file of ours that others may read or write, as ssh does (sshkey_perm_ok):
+    a key every user of the machine (or of its group) could have copied signs nothing the workers
+    should take as the publisher's. A file someone else owns (a secret mounted by root, say) is
+    that owner's to protect, and cannot be chmod-ed by us: taken as it is."""
     if os.name != "posix":
         return
     try:
         st = os.stat(path)
     except OSError as exc:
         raise SigningKeyError(f"cannot read the key file {path}: {exc.strerror or exc}") from None
-    if st.st_mode & 0o077:
-        raise SigningKeyError(f"{path} is readable or writable by other users (mode {st.st_mode & 0o777:04o}); a "
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        raise SigningKeyError(f"{path} is accessible to other users (mode {st.st_mode & 0o777:04o}); a "
                               f"private key must be its owner's alone: chmod 600 {path} (pulsediff keygen writes it so)")
 
 
@@ -371,7 +373,7 @@ def _load_state(path: Path) -> dict:
 def _save_state(path: Path, state: dict) -> None:
     from pulsediff.io.atomic import StagedFiles
 
-    with StagedFiles() as staged:
+    with StagedFiles(inputs=()) as staged:  # made of no mapped checkpoint
         with staged.open(path) as f:
             f.write((json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
         staged.commit()

@@ -140,7 +140,7 @@ class Folder(Store):
         from pulsediff.io.atomic import StagedFiles
         from pulsediff.series.signing import SIGNATURE_NAME
 
-        with StagedFiles() as staged:
+        with StagedFiles(inputs=()) as staged:  # made of no mapped checkpoint
             with staged.open(self.folder / SIGNATURE_NAME) as f:
                 f.write(signature)
             staged.commit()
