@@ -138,3 +138,27 @@ def test_make_from_a_source_that_reuses_its_buffer_encodes_each_tensor_before_th
                     progress=SILENT)
     apply_patch(tmp_path / "base.safetensors", tmp_path / "p", tmp_path / "out.safetensors", device="cpu")
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "target.safetensors").read_bytes()
+
+
+def test_a_base_said_to_be_the_target_is_still_checked_tensor_by_tensor(tmp_path):
+    """apply_chain trusts the caller's `base_ids` for where the base stands (catch-up hashes the worker
+    once, then applies): when they say the base already is the target, the base's tensors are what is
+    written, and each must still match the target's record. A worker replaced between catch-up's two
+    opens was written out unchecked and reported as the target (review of issue 23)."""
+    from pulsediff.errors import CorruptPatchError
+    from pulsediff.io.checkpoint import Checkpoint, TensorView
+    from pulsediff.ops.inspect import tensor_ids
+
+    rng = np.random.default_rng(41)
+    paths = series(tmp_path, rng, steps=2)
+    patches = [tmp_path / "p01.pulsediff", tmp_path / "p12.pulsediff"]
+    for k, p in enumerate(patches):
+        make_patch(paths[k], paths[k + 1], p, device="cpu")
+    with Checkpoint(paths[2]) as target:
+        target_ids = tensor_ids(TensorView(target, "exact"))
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CorruptPatchError, match="does not rebuild to its recorded hash"):
+        apply_chain(paths[0], patches, out, device="cpu", base_ids=target_ids)  # the ids lie: the base is step 0
+    assert not out.exists()
+    result = apply_chain(paths[2], patches, out, device="cpu", base_ids=target_ids)  # ids that tell the truth
+    assert result.status == "applied" and same(out, paths[2])

@@ -206,7 +206,12 @@ def _apply_random_access(links: list[Link], final_link: Link, view: TensorView, 
     link_scratch = [Scratch() for _ in links]  # each link's windows, kept from tensor to tensor
 
     def target_bits(rec: TensorRecord) -> "Windows | Rebuild":
-        return chain_windows(chain_rebuild(rec.name, links, view, backend), link_scratch)
+        rebuilt = chain_rebuild(rec.name, links, view, backend)
+        if not rebuilt.steps:
+            # No links: the base is the target, by ids the caller may have hashed at an earlier open
+            # (catch-up). Its tensors go out as they are, each checked against the target's record.
+            rebuilt.steps = [(rec, None, final_link.reader.source)]
+        return chain_windows(rebuilt, link_scratch)
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
     _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend,
