@@ -473,69 +473,6 @@ def shrink_trials(n: int, root: Path, seed: int = 0) -> dict:
 # -- remote trials: a server that fails objects -----------------------------------------
 
 
-FAULTS = ("ok", "ok", "500", "404", "reset", "flip")  # what one GET of a patch gets; "ok" twice as often
-
-
-class FaultyServer:
-    """http.server over `root` that answers each GET of a .pulsediff file with a fault drawn from FAULTS
-    (the manifest is always served whole)."""
-
-    def __init__(self, root: Path, seed: int):
-        import socket
-        import threading
-        from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-
-        rng = random.Random(seed)
-        lock = threading.Lock()
-        self.served = Counter()  # GETs of patches by what they got: "ok" or a fault
-        outer = self
-
-        class Handler(SimpleHTTPRequestHandler):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, directory=str(root), **kwargs)
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                if not self.path.endswith(".pulsediff"):
-                    return super().do_GET()
-                with lock:
-                    fault = rng.choice(FAULTS)
-                    outer.served[fault] += 1
-                if fault == "ok":
-                    return super().do_GET()
-                if fault in ("500", "404"):
-                    self.send_error(int(fault))
-                    return
-                data = bytearray((root / self.path.lstrip("/")).read_bytes())
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if fault == "flip":
-                    data[len(data) // 2] ^= 0x40
-                    self.wfile.write(bytes(data))
-                    return
-                self.wfile.write(bytes(data[: len(data) // 2]))  # "reset": half, then the connection goes
-                self.wfile.flush()
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request, client_address):  # a client that hung up on a fault: expected
-                pass
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
     import importlib.util
 
@@ -553,7 +490,19 @@ def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
     published = {step: (train / f"step_{step:06d}.safetensors").read_bytes() for step in range(steps + 1)}
     rng = random.Random(seed)
     counts, problems = Counter(), []
-    server = FaultyServer(root, seed)
+    from http_faults import FAULTS, FaultServer
+
+    draws = random.Random(seed)
+    choices = ("ok", "ok", *FAULTS)  # what one GET of a patch gets: the file a third of the time
+    gets = Counter()  # GETs of patches by what they got (the manifest is always served whole)
+
+    def fault_of(path: str) -> str:  # called under the server's lock
+        if not path.endswith(".pulsediff"):
+            return "ok"
+        gets[fault := draws.choice(choices)] += 1
+        return fault
+
+    server = FaultServer(root, fault_of)
     try:
         for t in range(n):
             trial = root / f"remote-{t}"
@@ -593,10 +542,10 @@ def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
             shutil.rmtree(trial, ignore_errors=True)
     finally:
         server.close()
-    faults = {k: v for k, v in server.served.items() if k != "ok"}
-    result = {"trials": n, "counts": dict(counts), "patch_gets": dict(server.served), "faults_served": faults,
+    faults = {k: v for k, v in gets.items() if k != "ok"}
+    result = {"trials": n, "counts": dict(counts), "patch_gets": dict(gets), "faults_served": faults,
               "problems": problems}
-    print(f"remote trials: {dict(counts)}; patch GETs {dict(server.served)}; problems: {len(problems)}", flush=True)
+    print(f"remote trials: {dict(counts)}; patch GETs {dict(gets)}; problems: {len(problems)}", flush=True)
     return result
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from http_faults import FaultServer  # noqa: E402
 from ckpt_factory import save_series
 
 if not os.environ.get("CI"):  # CI installs the test extra: there a missing obstore is a failure
@@ -457,49 +458,6 @@ def test_404_for_a_listed_patch_takes_another_path(train, published, http, tmp_p
     assert worker.read_bytes() == ckpt(train, STEPS).read_bytes()
 
 
-class FailingServer:
-    """A plain HTTP server (http.server) over `root` that fails every GET of one object: with a 500
-    (`mode` "500") or with a body cut short after its headers promised it whole ("reset")."""
-
-    def __init__(self, root: Path, victim: str, mode: str):
-        from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-
-        self.hits = 0
-        outer = self
-
-        class Handler(SimpleHTTPRequestHandler):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, directory=str(root), **kwargs)
-
-            def log_message(self, *args):  # quiet
-                pass
-
-            def do_GET(self):
-                if not self.path.endswith("/" + victim):
-                    return super().do_GET()
-                outer.hits += 1
-                if mode == "500":
-                    self.send_error(500, "Internal Server Error")
-                    return
-                data = (root / self.path.lstrip("/")).read_bytes()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data[: len(data) // 2])
-                self.wfile.flush()
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.mark.parametrize("mode", ["500", "reset"])
 def test_object_failing_past_the_retries_takes_another_path(train, published, root, mode, tmp_path):
     """A 5xx, or a body reset on every try, is an unavailable object like a 404: catch-up takes
@@ -507,12 +465,12 @@ def test_object_failing_past_the_retries_takes_another_path(train, published, ro
     worker = tmp_path / "w.safetensors"
     shutil.copy(ckpt(train, 1), worker)
     victim = plan_catch_up(worker, published).files[-1]
-    server = FailingServer(root, victim, mode)
+    server = FaultServer(root, lambda path: mode if path.endswith("/" + victim) else "ok")
     try:
         result = catch_up(worker, f"{server.url}/bucket/series", cache=tmp_path / "cache")
     finally:
         server.close()
-    assert server.hits >= 1
+    assert server.served[mode] >= 1
     assert result.status == "applied" and victim not in result.files
     assert "cannot fetch" in result.problems[victim]
     assert worker.read_bytes() == ckpt(train, STEPS).read_bytes()

@@ -265,10 +265,12 @@ class Checkpoint:
     def check_intact(self) -> None:
         """Raise CheckpointChangedError (or CheckpointReadError) if one of this checkpoint's files
         shrank, or was written over, while mapped: what was read from it is not to be trusted."""
-        for s in self.shards:
-            err = mapped.changed(s._guard)
-            if err is not None:
-                raise err
+        err = self._first_change()
+        if err is not None:
+            raise err
+
+    def _first_change(self) -> "Exception | None":
+        return next((err for s in self.shards if (err := mapped.changed(s._guard)) is not None), None)
 
     def close(self, verify: bool = True) -> None:
         """Unmap the files. Raises CheckpointChangedError if one of them shrank while it was mapped:
@@ -279,10 +281,8 @@ class Checkpoint:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        changed = None
+        changed = self._first_change() if verify else None
         for s in self.shards:
-            if verify:
-                changed = changed or mapped.changed(s._guard)
             if s._map is not None:
                 try:
                     s._map.close()

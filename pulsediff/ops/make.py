@@ -60,7 +60,6 @@ class TargetSource:
     reuses_buffers: bool = False
     prefetch: Callable[[str], None] | None = None  # reads a tensor's bytes into memory ahead of `get`
     release: Callable[[str], None] | None = None  # done with a tensor's bytes: unmap them
-    finished: Callable[[], None] | None = None  # everything read and checked: close the inputs unverified
     inputs: list | None = None  # the checkpoints `get` reads (None: unknown, so every mapped file is checked)
 
     @classmethod
@@ -72,7 +71,7 @@ class TargetSource:
         return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get,
                    [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
                    others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release,
-                   finished=lambda: new.ckpt.close(verify=False), inputs=[new.ckpt])
+                   inputs=[new.ckpt])
 
 
 def make_patch(
@@ -136,16 +135,15 @@ def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str
         check_inputs(inputs)  # an input that shrank while read gave zeros: no patch is made of them
         # Every byte of both inputs is read (the patch is in the spool) and has just been checked: a
         # shrink from now on changes nothing in the patch, so closing must not report one after it is out.
-        old_ckpt.close(verify=False)
-        if target.finished is not None:
-            target.finished()
+        for ckpt in [old_ckpt, *(target.inputs or ())]:
+            ckpt.close(verify=False)
         spool.seek(0)
         header_frame = encode_header(header.to_json())
         if isinstance(out, (str, Path)) and str(out) == "-":
             _emit(sys.stdout.buffer, header_frame, spool)
             sys.stdout.buffer.flush()
         elif isinstance(out, (str, Path)):
-            with StagedFiles(inputs) as staged:
+            with StagedFiles(inputs=()) as staged:  # the inputs were checked, then closed, above
                 with staged.open(Path(out)) as f:
                     _emit(f, header_frame, spool)
                 staged.commit()

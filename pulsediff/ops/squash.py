@@ -72,8 +72,7 @@ def squash_patches(
                 entries=[(r.name, r.nbytes) for r in final.tensors], get=get,
                 file_names=list(file_bytes), read_file=file_bytes.__getitem__,
                 reuses_buffers=True,  # `get` rebuilds into `scratch`
-                inputs=[base_ckpt],
-                finished=lambda: base_ckpt.close(verify=False),  # read and checked: no error after the commit
+                inputs=[base_ckpt],  # write_patch checks it, then closes it unverified: no error after the commit
             )
             header = write_patch(base, target, out, codec=codec, device=device, progress=progress)
         if header.target_digest != final.target_digest:  # cannot happen unless a bug: refuse loudly
