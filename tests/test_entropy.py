@@ -462,3 +462,98 @@ def test_apply_ranked_refuses_ranks_that_do_not_rise(seed):
     starts, _ = chunk_class_starts_ref(base, shift, mask, 3)
     out = np.empty_like(base)
     assert cpu.apply_ranked(base, shift, mask, starts, offsets, ranks, deltas, out) < positions.size
+
+
+# -- make's one read of a pair: diff_ranks with both sides' hashes and word sums ------------
+
+
+def _checked_cases():
+    """(old, new) pairs whose ranges, cut small, are: all unchanged; changed only past several
+    unchanged ones (their class counts are taken afterwards); dense (a range's second read);
+    and of sizes that end off a word."""
+    rng = np.random.default_rng(27)
+    for dtype in (np.uint16, np.uint8, np.uint32, np.uint64):
+        info = np.iinfo(dtype)
+        for n in (0, 1, 7, 4096 + 3, 6 * 4096 + 5):
+            old = rng.integers(0, info.max, n, dtype=dtype, endpoint=True)
+            yield "unchanged", old, old.copy()
+            for density in (0.0005, 0.02, 0.5):
+                new = old.copy()
+                hit = rng.random(n) < density
+                new[hit] ^= rng.integers(1, info.max, int(hit.sum()), dtype=dtype, endpoint=True)
+                yield f"density {density}", old, new
+            if n > 3 * 4096:
+                late = old.copy()
+                late[-2] ^= 1  # one change in the last range only
+                yield "late", old, late
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_diff_ranks_checked_matches_the_separate_passes(monkeypatch, threads):
+    """The fused read gives diff_ranks' results, XXH3-128 of each side (fed in order, ranges
+    computed on several threads) and each side's word sum, bit for bit; ranges are cut small
+    here (4 KiB per side) so that each case spans several."""
+    from pulsediff.format.digest import tensor_hash, tensor_hasher
+
+    from reference import word_sum_ref
+
+    monkeypatch.setenv("PULSEDIFF_THREADS", threads)
+    monkeypatch.setattr(cpu, "_CHECKED_RANGE_BYTES", 4096)
+    for label, old, new in _checked_cases():
+        shift, mask = {1: (3, 15), 2: (7, 255), 4: (23, 255), 8: (52, 2047)}[old.dtype.itemsize]
+        h_old, h_new = tensor_hasher(), tensor_hasher()
+        zigzag, classes, ranks, old_sum, new_sum = cpu.diff_ranks_checked(old, new, shift, mask, h_old, h_new)
+        want = cpu.diff_ranks(old, new, shift, mask)
+        if old.size <= 4096:
+            assert all(np.array_equal(a, b) for a, b in zip(want, diff_ranks_ref(old, new, shift, mask)))
+        for got, expected in zip((zigzag, classes, ranks), want[:3]):
+            assert got.dtype == expected.dtype and np.array_equal(got, expected), (label, old.dtype, old.size)
+        assert (h_old.hexdigest(), h_new.hexdigest()) == (tensor_hash(old), tensor_hash(new)), (label, old.size)
+        assert (old_sum, new_sum) == (word_sum_ref(old), word_sum_ref(new)), (label, old.dtype, old.size)
+
+
+def test_diff_ranks_checked_reads_views_in_c_order():
+    """A view that is not contiguous is hashed and summed as its bytes in C order (as
+    tensor_hash and word_sum take it)."""
+    from pulsediff.format.digest import tensor_hash, tensor_hasher
+
+    rng = np.random.default_rng(3)
+    old = rng.integers(0, 1 << 16, (64, 96), dtype=np.uint16)[:, ::3]
+    new = old.copy()
+    new[5, 7] += 1
+    h_old, h_new = tensor_hasher(), tensor_hasher()
+    zigzag, _, _, old_sum, new_sum = cpu.diff_ranks_checked(old, new, 7, 255, h_old, h_new)
+    assert zigzag.size == 1 and h_old.hexdigest() == tensor_hash(np.ascontiguousarray(old))
+    assert h_new.hexdigest() == tensor_hash(new) and (old_sum, new_sum) == (cpu.word_sum(old), cpu.word_sum(new))
+
+
+def test_diff_ranks_checked_fails_whole_and_waits_for_no_one(monkeypatch):
+    """A range that fails still passes the hashing turn on: the call raises the error (no
+    thread is left waiting on a turn that never comes)."""
+    monkeypatch.setenv("PULSEDIFF_THREADS", "2")
+    monkeypatch.setattr(cpu, "_CHECKED_RANGE_BYTES", 4096)
+    real = cpu._checked_diff_range
+    calls = []
+
+    def flaky(old, new, lo, *rest):
+        calls.append(lo)
+        if lo == 2048 * 3:
+            raise MemoryError("range 3")
+        return real(old, new, lo, *rest)
+
+    monkeypatch.setattr(cpu, "_checked_diff_range", flaky)
+    old = np.arange(2048 * 8, dtype=np.uint16)
+    new = old.copy()
+    new[::100] += 1  # sparse: each range is read once
+
+    class Hasher:
+        def __init__(self):
+            self.parts = 0
+
+        def update(self, data):
+            self.parts += 1
+
+    h_old, h_new = Hasher(), Hasher()
+    with pytest.raises(MemoryError, match="range 3"):
+        cpu.diff_ranks_checked(old, new, 7, 255, h_old, h_new)
+    assert sorted(calls) == [2048 * c for c in range(8)] and h_old.parts == h_new.parts == 7  # every range but the failed one

@@ -69,6 +69,19 @@ class Codec(ABC):
             return positions.size, None
         return positions.size, self.encode(base, target, positions, values, dtype=dtype, kernels=kernels)
 
+    def fuses_checks(self, kernels: ModuleType) -> bool:
+        """Whether encode_pair_checked takes both tensors' hashes and word sums in the compare's
+        own read of the pair on these kernels (else a caller takes them in a pass of their own)."""
+        return False
+
+    def encode_pair_checked(self, base: np.ndarray, target: np.ndarray, base_hasher, target_hasher, dtype=None,
+                            kernels: ModuleType | None = None,
+                            max_changed: int | None = None) -> tuple[int, Encoded | None, int, int]:
+        """encode_pair, with each tensor's bytes fed in order to its hasher (`update(buffer)`)
+        and its word sum (FORMAT.md §3.1) taken in the same read: (changed elements, section,
+        base's sum, target's sum). Only where fuses_checks(kernels)."""
+        raise NotImplementedError(f"codec {self.id!r} does not fuse the checks into its compare")
+
     @abstractmethod
     def decode(self, base: np.ndarray | None, payload: bytes, params: dict, ctx: SectionContext,
                kernels: ModuleType, scratch: "Scratch") -> np.ndarray:

@@ -321,6 +321,19 @@ class CtxRans(Codec):
             return zigzag.size, None
         return zigzag.size, _encode_ranked(classes, ranks, zigzag, shift, bits)
 
+    def fuses_checks(self, kernels):
+        return hasattr(kernels, "diff_ranks_checked")  # the CPU kernels
+
+    def encode_pair_checked(self, base, target, base_hasher, target_hasher, dtype=None, kernels=None,
+                            max_changed=None):
+        """encode_pair, the checks taken in its read of the pair (kernels.diff_ranks_checked)."""
+        shift, bits = class_field(dtype.name if dtype is not None else "")
+        zigzag, classes, ranks, base_sum, target_sum = kernels.diff_ranks_checked(
+            base, target, shift, (1 << bits) - 1, base_hasher, target_hasher)
+        if max_changed is not None and zigzag.size > max_changed:
+            return zigzag.size, None, base_sum, target_sum
+        return zigzag.size, _encode_ranked(classes, ranks, zigzag, shift, bits), base_sum, target_sum
+
     def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
         # The base's classes are counted while the values decode on the other thread.
         entries, (starts, sizes) = _decode_entries(payload, params, ctx, scratch,

@@ -80,6 +80,12 @@ def format_word_sum(value: int) -> str:
     return f"{value:016x}"
 
 
+def tensor_hasher():
+    """A tensor hash taken piece by piece: `update(bytes)` in order, then `hexdigest()` is
+    tensor_hash of all of them (for a compare that reads the tensor anyway)."""
+    return xxhash.xxh3_128()
+
+
 _CHECK_BLOCK = 1 << 18  # bytes hashed and summed in turn: a block stays in cache for the second pass
 
 

@@ -17,10 +17,12 @@ so positions come out ascending with no sort.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from numba import njit
 
-from pulsediff.kernels.threads import num_threads, parallel_map
+from pulsediff.kernels.threads import Turns, num_threads, parallel_map
 
 # A tensor is cut into at least this many ranges per thread (so a thread the OS
 # slows down simply takes fewer of them), each at least _MIN_CHUNK elements
@@ -375,6 +377,123 @@ def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
         return np.empty(0, old.dtype), np.empty(0, np.uint16), np.empty(0, np.int64), hist.sum(axis=0)
     return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
             np.concatenate([p[2] for p in parts]), hist.sum(axis=0))
+
+
+# -- make's one read of a pair: compare, class ranks, word sums and hashes --------------
+#
+# make needs, for each tensor with a base, both sides' XXH3-128 hash and word sum and the
+# compare. Taken as separate passes, each byte crossed the memory bus twice (hash and sum in
+# one pass, the compare in another), and on a machine whose memory one core nearly fills
+# (machine C: ~30 GB/s for one thread or two) a second thread then mostly waited on memory:
+# two threads took 0.8 of one thread's time. Here each range of the pair is compared, ranked
+# and summed in one read, and then, while it is still in cache, fed to the two hashers. A
+# hash is sequential, so ranges take turns for that step, in order (threads.Turns); the
+# compare, which is most of the work, runs side by side.
+
+_CHECKED_RANGE_BYTES = 1 << 21  # per side: both sides' ranges, on every thread, stay in the L3 cache until hashed
+_SAME_BLOCK = 256
+
+
+@njit(cache=True, nogil=True)
+def _same_range(old, new, lo, hi):
+    # Blocks without an early exit inside, so that LLVM vectorises the compare; a changed
+    # range is found at its first changed block (at 1% density, within the first few).
+    i = lo
+    while i + _SAME_BLOCK <= hi:
+        x = old[i] ^ new[i]
+        for j in range(i + 1, i + _SAME_BLOCK):
+            x |= old[j] ^ new[j]
+        if x != 0:
+            return False
+        i += _SAME_BLOCK
+    for j in range(i, hi):
+        if old[j] != new[j]:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _checked_diff_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist,
+                        old_words, new_words, wlo, whi, sums):
+    # Both sides' word-sum terms for words [wlo, whi), then the compare and ranks of elements
+    # [lo, hi) (as _diff_ranks_range); -1, and no histogram, for a range without a change:
+    # an unchanged tensor needs none, and a changed one counts such ranges afterwards.
+    sums[0] = _word_sum_range(old_words, wlo, whi)
+    sums[1] = _word_sum_range(new_words, wlo, whi)
+    if _same_range(old, new, lo, hi):
+        return -1
+    return _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist)
+
+
+def _checked_ranges(n: int, itemsize: int) -> list[tuple[int, int]]:
+    """Ranges of _CHECKED_RANGE_BYTES per side, each starting on a whole word (8 bytes)."""
+    step = max(8, _CHECKED_RANGE_BYTES // itemsize // 8 * 8)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def diff_ranks_checked(old: np.ndarray, new: np.ndarray, shift: int, mask: int, old_hasher,
+                       new_hasher) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """diff_ranks' first three results, and in the same read of the pair each side's word sum
+    (as word_sum) and each side's bytes fed, in order, to its hasher (anything with
+    `update(buffer)`, such as an xxhash state): (zigzag, classes, ranks, old's sum, new's sum).
+    The bytes are those of the arrays in C order."""
+    n = old.size
+    if new.size != n or old.dtype != new.dtype:
+        raise ValueError("diff_ranks_checked needs arrays of equal length and dtype")  # @njit does no bounds checks
+    if not 0 <= mask < (1 << 16):
+        raise ValueError("diff_ranks_checked needs a class mask below 2**16")
+    old, new = np.ascontiguousarray(old).reshape(-1), np.ascontiguousarray(new).reshape(-1)
+    isz = old.dtype.itemsize
+    old_raw, new_raw = old.view(np.uint8), new.view(np.uint8)
+    nwords = old_raw.size // 8
+    old_words, new_words = old_raw[:8 * nwords].view(np.uint64), new_raw[:8 * nwords].view(np.uint64)
+    ranges = _checked_ranges(n, isz)
+    hist = np.zeros((max(1, len(ranges)), mask + 1), np.int64)
+    sums = np.zeros((max(1, len(ranges)), 2), np.uint64)
+    turns = Turns()
+
+    def hash_range(lo: int, hi: int) -> None:
+        old_hasher.update(old_raw[lo * isz:hi * isz])
+        new_hasher.update(new_raw[lo * isz:hi * isz])
+
+    def one_range(c: int, lo: int, hi: int):
+        done = False
+        try:
+            cap = _slot_capacity(hi - lo)
+            while True:
+                zigzag, classes, ranks = np.empty(cap, old.dtype), np.empty(cap, np.uint16), np.empty(cap, np.int64)
+                k = _checked_diff_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist[c],
+                                        old_words, new_words, lo * isz // 8, min(nwords, hi * isz // 8), sums[c])
+                if k <= cap:
+                    done = True
+                    return None if k < 0 else (zigzag[:k].copy(), classes[:k].copy(), ranks[:k].copy())
+                cap = k  # denser than the buffer: read the range again into one of the counted size
+        finally:
+            # The turn is taken even by a range that failed (the call then fails whole), or the
+            # ranges after it would wait forever.
+            turns.take(c, partial(hash_range, lo, hi) if done else None)
+
+    parts = parallel_map(one_range, [(c, lo, hi) for c, (lo, hi) in enumerate(ranges)])
+    old_sum, new_sum = (int(s) for s in sums.sum(axis=0, dtype=np.uint64))
+    if old_raw.size % 8:
+        old_sum += _word_sum_tail(old_raw, nwords)
+        new_sum += _word_sum_tail(new_raw, nwords)
+    changed = [c for c, p in enumerate(parts) if p is not None]
+    if not changed:
+        return (np.empty(0, old.dtype), np.empty(0, np.uint16), np.empty(0, np.int64),
+                old_sum & 0xFFFFFFFFFFFFFFFF, new_sum & 0xFFFFFFFFFFFFFFFF)
+    # Ranges without a change before the last changed one still count toward later ranks.
+    missing = [(old, ranges[c][0], ranges[c][1], shift, mask, hist[c]) for c in range(changed[-1])
+               if parts[c] is None]
+    parallel_map(_class_histogram_range, missing)
+    starts = _exclusive_scan_rows(hist)
+    for c in changed:
+        _, classes, ranks = parts[c]
+        if ranks.size and c:
+            ranks += starts[c][classes]
+    return (np.concatenate([parts[c][0] for c in changed]), np.concatenate([parts[c][1] for c in changed]),
+            np.concatenate([parts[c][2] for c in changed]), old_sum & 0xFFFFFFFFFFFFFFFF,
+            new_sum & 0xFFFFFFFFFFFFFFFF)
 
 
 # The ranked apply walks each range with a countdown per class: how many more

@@ -75,6 +75,20 @@ def pool() -> ThreadPoolExecutor:
         return _pool[1]
 
 
+class inline:
+    """`with inline():` runs this thread's parallel_maps inline, on this thread alone: for a
+    caller that already runs side by side with others on as many threads as there are cores
+    (make's encoders, each on its own small tensor), where handing the ranges to the pool
+    only queues them behind other tensors' ranges."""
+
+    def __enter__(self) -> None:
+        self._was = getattr(_inside, "active", False)
+        _inside.active = True
+
+    def __exit__(self, *exc) -> None:
+        _inside.active = self._was
+
+
 def parallel_map(fn: Callable[..., T], items: Sequence) -> list[T]:
     """[fn(*item) for item in items], run on the worker threads; results in order.
 
@@ -92,3 +106,29 @@ def parallel_map(fn: Callable[..., T], items: Sequence) -> list[T]:
         # Even when a task failed or Ctrl-C interrupted the wait: tasks write into the
         # caller's buffers, so none may still run once this returns or raises.
         wait(futures)
+
+
+class Turns:
+    """Lets tasks that run side by side each do one step in their index order: task c's step
+    runs once task c-1's has (e.g. feeding a sequential hash with ranges other threads read).
+
+    Safe with parallel_map: its tasks start in index order, so the lowest unfinished task
+    never waits. Every task must take its turn, even one that failed, or those after it wait
+    forever; a failed step still passes the turn on.
+    """
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._cond = threading.Condition()
+
+    def take(self, index: int, step: Callable[[], object] | None) -> None:
+        """Runs `step` (None: nothing, the turn only passes on) once every lower index has."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._next == index)
+        try:
+            if step is not None:
+                step()
+        finally:
+            with self._cond:
+                self._next = index + 1
+                self._cond.notify_all()

@@ -27,7 +27,8 @@ from pulsediff.ops.live import open_source
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
 from pulsediff.codecs.base import zstd_compress
 from pulsediff.codecs.gap_zstd import gap_width
-from pulsediff.format.digest import TensorId, checkpoint_digest, tensor_checks, tensor_hash
+from pulsediff.format.digest import (TensorId, checkpoint_digest, format_word_sum, tensor_checks, tensor_hash,
+                                     tensor_hasher)
 from pulsediff.errors import UsageError, refuse_existing
 from pulsediff.io.folder_files import file_hash, folder_files, read_folder_file
 from pulsediff.format.container import SectionRef, encode_header, encode_preamble, section_checksum
@@ -272,14 +273,24 @@ def _check_and_encode(tgt, base, sparse, backend):
     the same (XXH3-128 equality stands for bit equality, as it does for the digests) or the base
     has another dtype or shape (then carried whole), the compare and the sparse coding. Returns
     ((target hash, target sum, base hash, base sum), "same" | "full" | "diff", encode_pair's result)."""
+    comparable = base.dtype is tgt.dtype and base.shape == tgt.shape
+    # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
+    max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+    if comparable and sparse.fuses_checks(backend):
+        # The checks in the compare's own read of the pair: each byte crosses the memory bus
+        # once, which is what lets a second thread help on a machine whose memory one core
+        # nearly fills (issue 27). "same" means no element differs.
+        base_hasher, tgt_hasher = tensor_hasher(), tensor_hasher()
+        changed, enc, base_sum, tgt_sum = sparse.encode_pair_checked(
+            base.bits, tgt.bits, base_hasher, tgt_hasher, dtype=tgt.dtype, kernels=backend, max_changed=max_changed)
+        checks = (tgt_hasher.hexdigest(), format_word_sum(tgt_sum), base_hasher.hexdigest(), format_word_sum(base_sum))
+        return checks, ("same" if changed == 0 else "diff"), (changed, enc)
     (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(tensor_checks, [(tgt.bits,), (base.bits,)])
     checks = (tgt_hash, tgt_sum, base_hash, base_sum)
-    if base.dtype is not tgt.dtype or base.shape != tgt.shape:
+    if not comparable:
         return checks, "full", None
     if base_hash == tgt_hash:
         return checks, "same", None
-    # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
-    max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
     return checks, "diff", sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
                                               max_changed=max_changed)
 
