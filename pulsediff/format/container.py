@@ -50,9 +50,15 @@ def section_checksum(data) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+# zstd level of the header: it is compressed once every tensor is done, so its time is make's
+# alone. On the 1 GiB pair's header (147 tensors, 74 KB of JSON) level 19 took 26.7 ms for
+# 12,663 bytes and level 15 8.4 ms for 12,716 (53 bytes more, 0.001% of that patch).
+HEADER_ZSTD_LEVEL = 15
+
+
 def encode_header(header: dict) -> bytes:
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(raw)
+    return zstandard.ZstdCompressor(level=HEADER_ZSTD_LEVEL, write_content_size=True).compress(raw)
 
 
 def _header_checksum(preamble_fields: bytes, header_frame: bytes) -> int:
