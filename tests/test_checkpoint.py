@@ -53,6 +53,30 @@ def test_release_unmaps_pages_without_losing_bytes(tmp_path):
     assert path.read_bytes() == before
 
 
+def test_a_prefetched_tensor_is_not_mapped_again_until_released(tmp_path, monkeypatch):
+    """A view of a tensor whose pages a prefetch mapped takes no second populate (make's main
+    thread paid ~0.65 ms per 16 MiB for it); after a release it populates again; the bytes are
+    the same throughout."""
+    from pulsediff.io import checkpoint as checkpoint_module
+
+    rng = np.random.default_rng(23)
+    tensors = {f"w{i}": random_tensor(rng, "BF16", (300, 300)) for i in range(2)}
+    path = save(tensors, tmp_path / "m.safetensors")
+    calls = []
+    real = checkpoint_module.populate_read
+    monkeypatch.setattr(checkpoint_module, "populate_read", lambda *a: (calls.append(a[1:]), real(*a)))
+    with Checkpoint(path) as ckpt:
+        want = ckpt.raw_bytes("w0").tobytes()
+        assert len(calls) == 1
+        ckpt.prefetch("w0")
+        assert len(calls) == 2
+        assert ckpt.raw_bytes("w0").tobytes() == want and len(calls) == 2  # mapped by the prefetch
+        ckpt.raw_bytes("w1")
+        assert len(calls) == 3  # not prefetched: populated where it is taken
+        ckpt.release("w0")
+        assert ckpt.raw_bytes("w0").tobytes() == want and len(calls) == 4  # released: mapped again
+
+
 def write_raw(path, header: dict | bytes, data: bytes = b"", length: int | None = None):
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
