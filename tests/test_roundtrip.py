@@ -205,3 +205,38 @@ def test_bf16_mode_sharded_index_total_size(tmp_path):
     for name, fname in index["weight_map"].items():
         got = load_file(str(out / fname))[name]
         assert torch.equal(got.view(torch.int16), bf16_bits(target[name]))
+
+
+@pytest.mark.parametrize("threads,split", [("1", 16 << 20), ("3", 16 << 20), ("3", 0), ("2", 0)])
+def test_make_writes_the_same_patch_however_its_tensors_are_read(tmp_path, monkeypatch, threads, split):
+    """make compares each pair in one read (ranges cut to 4 KiB here, so each tensor spans
+    several), on its encoding thread alone or spread over the kernel threads (split: the
+    largest tensor compared alone): the patch bytes are the same, every kind of record
+    included, and they rebuild the target bit for bit."""
+    import pulsediff.ops.make as make_mod
+    from pulsediff.kernels import cpu
+
+    from ckpt_factory import mutate, random_tensor, save
+
+    rng = np.random.default_rng(27)
+    old = {"big": random_tensor(rng, "BF16", (300, 100)), "f32": random_tensor(rng, "F32", (4000,)),
+           "same": random_tensor(rng, "BF16", (50, 90)), "dense": random_tensor(rng, "BF16", (3000,)),
+           "retyped": random_tensor(rng, "F16", (500,)), "tiny": random_tensor(rng, "BF16", (3,))}
+    new = {"big": mutate(rng, old["big"], 0.02), "f32": mutate(rng, old["f32"], 0.001), "same": old["same"].clone(),
+           "dense": mutate(rng, old["dense"], 0.9), "retyped": old["retyped"].to(torch.float32),
+           "tiny": mutate(rng, old["tiny"], 1.0)}
+    old_path, new_path = save(old, tmp_path / "old.safetensors"), save(new, tmp_path / "new.safetensors")
+    reference = tmp_path / "reference.pulsediff"
+    make_patch(old_path, new_path, reference)  # as shipped: default threads and range size
+
+    monkeypatch.setenv("PULSEDIFF_THREADS", threads)
+    monkeypatch.setattr(cpu, "_CHECKED_RANGE_BYTES", 4096)
+    monkeypatch.setattr(make_mod, "SPLIT_BYTES", split)
+    patch = tmp_path / "p.pulsediff"
+    header = make_patch(old_path, new_path, patch)
+    assert patch.read_bytes() == reference.read_bytes()
+    assert {r.name: r.op for r in header.tensors} == {"big": "patch", "f32": "patch", "same": "same", "dense": "full",
+                                                      "retyped": "full", "tiny": "full"}
+    out = tmp_path / "out.safetensors"
+    apply_patch(old_path, patch, out)
+    assert out.read_bytes() == new_path.read_bytes()

@@ -13,6 +13,7 @@ import json
 import shutil
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,7 +34,7 @@ from pulsediff.errors import UsageError, refuse_existing
 from pulsediff.io.folder_files import file_hash, folder_files, read_folder_file
 from pulsediff.format.container import SectionRef, encode_header, encode_preamble, section_checksum
 from pulsediff.kernels import get_backend
-from pulsediff.kernels.threads import num_threads, parallel_map
+from pulsediff.kernels.threads import inline, num_threads, parallel_map
 from pulsediff.format.header import FILE_CODEC, LAYOUT_CODEC, FileRecord, Layout, LayoutFile, PatchHeader, TensorRecord
 from pulsediff.runtime.progress import SILENT, Progress
 from pulsediff.io.safetensors_header import build_header
@@ -233,7 +234,8 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
                 # Hashing, compare and coding are one task, so that an unchanged tensor (its
                 # hashes equal) does not drain the pipeline: the main thread only reads ahead
                 # and writes the finished sections in order.
-                records.extend(encoder.submit(partial(_check_and_encode, tgt, base, sparse, backend),
+                alone = encoder.pipelined and tgt.bits.nbytes <= SPLIT_BYTES
+                records.extend(encoder.submit(partial(_check_and_encode, tgt, base, sparse, backend, alone),
                                               partial(record_of, tgt, base), tgt.bits.nbytes + base.bits.nbytes))
             progress.advance(stored_bytes)
         records.extend(encoder.finish())
@@ -268,7 +270,15 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     )
 
 
-def _check_and_encode(tgt, base, sparse, backend):
+# A tensor pair of at most this many bytes a side is compared on its encoding thread alone when
+# tensors are encoded side by side: as many of those run as there are cores, so handing its few
+# ranges to the kernel threads only queued them behind other tensors' (1 GiB pair, 2 threads:
+# 3-5% less time). Larger ones are spread over the kernel threads: a single tensor can be a
+# quarter of a checkpoint (embeddings), too much for one core on a many-core host.
+SPLIT_BYTES = 16 << 20
+
+
+def _check_and_encode(tgt, base, sparse, backend, alone: bool = False):
     """One tensor with a base, as a task: both tensors' hash and word sum, then, unless they are
     the same (XXH3-128 equality stands for bit equality, as it does for the digests) or the base
     has another dtype or shape (then carried whole), the compare and the sparse coding. Returns
@@ -281,8 +291,10 @@ def _check_and_encode(tgt, base, sparse, backend):
         # once, which is what lets a second thread help on a machine whose memory one core
         # nearly fills (issue 27). "same" means no element differs.
         base_hasher, tgt_hasher = tensor_hasher(), tensor_hasher()
-        changed, enc, base_sum, tgt_sum = sparse.encode_pair_checked(
-            base.bits, tgt.bits, base_hasher, tgt_hasher, dtype=tgt.dtype, kernels=backend, max_changed=max_changed)
+        with inline() if alone else nullcontext():
+            changed, enc, base_sum, tgt_sum = sparse.encode_pair_checked(
+                base.bits, tgt.bits, base_hasher, tgt_hasher, dtype=tgt.dtype, kernels=backend,
+                max_changed=max_changed)
         checks = (tgt_hasher.hexdigest(), format_word_sum(tgt_sum), base_hasher.hexdigest(), format_word_sum(base_sum))
         return checks, ("same" if changed == 0 else "diff"), (changed, enc)
     (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(tensor_checks, [(tgt.bits,), (base.bits,)])
@@ -365,6 +377,7 @@ class _Encoder:
         self._depth = num_threads()
         self._pool = ThreadPoolExecutor(max_workers=self._depth, thread_name_prefix="pulsediff-encode") \
             if pipelined else None
+        self.pipelined = self._pool is not None
         self._pending = deque()
 
     # Tensors in flight hold their inputs (memory of their own when cast to BF16):
