@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+ROOT = SCRIPTS.parent
 
 
 def test_bench_core_runs_and_reports_every_row(tmp_path):
@@ -56,6 +57,26 @@ def test_bench_variants_compares_thread_counts_and_devices(tmp_path):
         rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {variants[1]} |")
                 or line.startswith(f"| {variants[2]} |")]
         assert len(rows) == 2 and rows[0].endswith("| 1.00 | 1.00 |"), proc.stdout
+
+
+def test_bench_inprocess_alternates_trees_and_thread_counts(tmp_path):
+    """scripts/bench_inprocess.py on a tiny pair: a row per tree, each make's bytes the same at
+    every thread count, each apply's output NEW's bytes, or the script fails."""
+    import numpy as np
+
+    from ckpt_factory import mutate, random_tensor, save
+
+    rng = np.random.default_rng(1)
+    old = {"w": random_tensor(rng, "BF16", (64, 64))}
+    old_path = save(old, tmp_path / "old.safetensors")
+    new_path = save({"w": mutate(rng, old["w"], 0.02)}, tmp_path / "new.safetensors")
+    for op in ("make", "apply"):
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_inprocess.py"), "--op", op, "--old", str(old_path),
+                               "--new", str(new_path), "--rounds", "2", "--per-process", "1", "--src", str(ROOT),
+                               "--src", str(ROOT)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {ROOT} |")]
+        assert len(rows) == 2 and all(row.count(" s |") == 2 for row in rows), proc.stdout
 
 
 def test_fuzz_campaign_trials_run_and_find_nothing(tmp_path):

@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""make (or apply) through the Python API, without process start-up or Numba's kernel loads,
+for several source trees and PULSEDIFF_THREADS values, alternating in one run (issue 27).
+
+    python scripts/bench_inprocess.py --old OLD --new NEW --threads 1 2 [--src TREE ...] [--rounds 5]
+
+Each cell of each round is a fresh process that runs one untimed warm-up and then `--per-process`
+timed calls (their median is the cell's figure); the table gives the median over rounds. A
+`--src` is a source tree (e.g. a `git worktree` of an older commit); the default is this one.
+For apply, the patch is made once with this tree first. Outputs are checked: apply's
+byte-identical to NEW, make's the same bytes for every thread count and round of a tree
+(another tree may write another header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs in the child: argv = op, old, new, patch, out, count. Prints the median time and the
+# output's SHA-256.
+CHILD = r"""
+import filecmp, hashlib, os, statistics, sys, time
+from pulsediff import apply_patch, make_patch
+op, old, new, patch, out, count = sys.argv[1:7]
+times = []
+for k in range(int(count) + 1):
+    if os.path.exists(out):
+        os.unlink(out)
+    start = time.perf_counter()
+    if op == "make":
+        make_patch(old, new, out)
+    else:
+        apply_patch(old, patch, out)
+    if k:
+        times.append(time.perf_counter() - start)
+if op == "apply" and not filecmp.cmp(out, new, shallow=False):
+    raise SystemExit("apply: output differs from NEW")
+with open(out, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+os.unlink(out)
+print(statistics.median(times), digest)
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", type=Path, required=True)
+    ap.add_argument("--new", type=Path, required=True)
+    ap.add_argument("--op", choices=("make", "apply"), default="make")
+    ap.add_argument("--threads", nargs="+", default=["1", "2"])
+    ap.add_argument("--src", type=Path, action="append", help="source tree (repeatable); default: this one")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--per-process", type=int, default=3)
+    args = ap.parse_args(argv)
+    trees = args.src or [ROOT]
+    work = Path(tempfile.mkdtemp(prefix="pulsediff-inprocess-"))
+    patch = work / "reference.pulsediff"
+    subprocess.run([sys.executable, "-c", "import sys; from pulsediff import make_patch; make_patch(*sys.argv[1:])",
+                    str(args.old), str(args.new), str(patch)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    times: dict[tuple[Path, str], list[float]] = {}
+    digests: dict[Path, str] = {}
+    for _ in range(args.rounds):
+        for tree in trees:
+            for threads in args.threads:
+                env = {**os.environ, "PYTHONPATH": str(tree), "PULSEDIFF_THREADS": threads}
+                out = subprocess.run([sys.executable, "-c", CHILD, args.op, str(args.old), str(args.new), str(patch),
+                                      str(work / "out"), str(args.per_process)],
+                                     env=env, capture_output=True, text=True)
+                if out.returncode:
+                    raise SystemExit(f"{tree} at {threads} threads failed: {out.stderr.strip()}")
+                seconds, digest = out.stdout.split()
+                if digests.setdefault(tree, digest) != digest:
+                    raise SystemExit(f"{tree} at {threads} threads wrote other bytes than before")
+                times.setdefault((tree, threads), []).append(float(seconds))
+    patch.unlink()
+    work.rmdir()
+    first = args.threads[0]
+    print(f"\n{args.op}, in-process after a warm-up; {args.rounds} rounds alternating, medians\n")
+    print("| tree | " + " | ".join(f"{t} threads" for t in args.threads) + f" | ratio to {first} |")
+    print("|---|" + "---:|" * (len(args.threads) + 1))
+    for tree in trees:
+        med = [statistics.median(times[(tree, t)]) for t in args.threads]
+        ratios = ", ".join(f"{m / med[0]:.2f}" for m in med[1:])
+        print(f"| {tree} | " + " | ".join(f"{m:.3f} s" for m in med) + f" | {ratios} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
