@@ -61,14 +61,28 @@ def main(argv=None) -> int:
     ap.add_argument("--per-process", type=int, default=3)
     args = ap.parse_args(argv)
     trees = args.src or [ROOT]
-    work = Path(tempfile.mkdtemp(prefix="pulsediff-inprocess-"))
+    with tempfile.TemporaryDirectory(prefix="pulsediff-inprocess-") as tmp:
+        times = _measure(args, trees, Path(tmp))
+    first = args.threads[0]
+    print(f"\n{args.op}, in-process after a warm-up; {args.rounds} rounds alternating, medians\n")
+    print("| tree | " + " | ".join(f"{t} threads" for t in args.threads) + f" | ratio to {first} |")
+    print("|---|" + "---:|" * (len(args.threads) + 1))
+    for k, tree in enumerate(trees):
+        med = [statistics.median(times[(k, t)]) for t in args.threads]
+        ratios = ", ".join(f"{m / med[0]:.2f}" for m in med[1:])
+        print(f"| {tree} | " + " | ".join(f"{m:.3f} s" for m in med) + f" | {ratios} |")
+    return 0
+
+
+def _measure(args, trees: list[Path], work: Path) -> dict[tuple[int, str], list[float]]:
+    """Seconds per (tree's position in `trees`, thread count), one figure per round."""
     patch = work / "reference.pulsediff"
     subprocess.run([sys.executable, "-c", "import sys; from pulsediff import make_patch; make_patch(*sys.argv[1:])",
                     str(args.old), str(args.new), str(patch)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    times: dict[tuple[Path, str], list[float]] = {}
-    digests: dict[Path, str] = {}
+    times: dict[tuple[int, str], list[float]] = {}
+    digests: dict[int, str] = {}
     for _ in range(args.rounds):
-        for tree in trees:
+        for k, tree in enumerate(trees):
             for threads in args.threads:
                 env = {**os.environ, "PYTHONPATH": str(tree), "PULSEDIFF_THREADS": threads}
                 out = subprocess.run([sys.executable, "-c", CHILD, args.op, str(args.old), str(args.new), str(patch),
@@ -77,20 +91,10 @@ def main(argv=None) -> int:
                 if out.returncode:
                     raise SystemExit(f"{tree} at {threads} threads failed: {out.stderr.strip()}")
                 seconds, digest = out.stdout.split()
-                if digests.setdefault(tree, digest) != digest:
+                if digests.setdefault(k, digest) != digest:
                     raise SystemExit(f"{tree} at {threads} threads wrote other bytes than before")
-                times.setdefault((tree, threads), []).append(float(seconds))
-    patch.unlink()
-    work.rmdir()
-    first = args.threads[0]
-    print(f"\n{args.op}, in-process after a warm-up; {args.rounds} rounds alternating, medians\n")
-    print("| tree | " + " | ".join(f"{t} threads" for t in args.threads) + f" | ratio to {first} |")
-    print("|---|" + "---:|" * (len(args.threads) + 1))
-    for tree in trees:
-        med = [statistics.median(times[(tree, t)]) for t in args.threads]
-        ratios = ", ".join(f"{m / med[0]:.2f}" for m in med[1:])
-        print(f"| {tree} | " + " | ".join(f"{m:.3f} s" for m in med) + f" | {ratios} |")
-    return 0
+                times.setdefault((k, threads), []).append(float(seconds))
+    return times
 
 
 if __name__ == "__main__":

@@ -15,8 +15,23 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import signal
 
+import pytest
+
 # A test run started in the background by a non-interactive shell (`cmd &`, nohup) inherits SIGINT
 # ignored, and so would every pulsediff it starts: the Ctrl-C tests would then test nothing but
 # that. A handler here (not SIG_IGN) means children start with the default and install their own.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture
+def fresh_pool(monkeypatch):
+    """The worker pool made anew for this test, with as many threads as PULSEDIFF_THREADS says when
+    the test first uses it (a pool already made keeps its size whatever the variable says later),
+    and shut down after it."""
+    from pulsediff.kernels import threads
+
+    monkeypatch.setattr(threads, "_pool", None)
+    yield
+    if threads._pool is not None:
+        threads._pool[1].shutdown()

@@ -488,17 +488,48 @@ def _checked_cases():
                 yield "late", old, late
 
 
+def test_turns_run_each_step_in_index_order_whatever_order_the_tasks_come():
+    """threads.Turns: tasks started in reverse index order on threads of their own still run
+    their steps 0, 1, 2, ...; a failing step and a task without a step pass the turn on."""
+    import threading
+
+    from pulsediff.kernels.threads import Turns
+
+    turns, order, errors = Turns(), [], []
+
+    def step(i):
+        order.append(i)
+        if i == 3:
+            raise RuntimeError("step 3")
+
+    def task(i):
+        try:
+            turns.take(i, None if i == 5 else (lambda: step(i)))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    workers = [threading.Thread(target=task, args=(i,)) for i in reversed(range(8))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=30)
+    assert not any(w.is_alive() for w in workers), "a task is still waiting for its turn"
+    assert order == [0, 1, 2, 3, 4, 6, 7] and errors == ["step 3"]
+
+
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
-def test_diff_ranks_checked_matches_the_separate_passes(monkeypatch, threads):
+def test_diff_ranks_checked_matches_the_separate_passes(monkeypatch, fresh_pool, threads):
     """The fused read gives diff_ranks' results, XXH3-128 of each side (fed in order, ranges
     computed on several threads) and each side's word sum, bit for bit; ranges are cut small
     here (4 KiB per side) so that each case spans several."""
     from pulsediff.format.digest import tensor_hash, tensor_hasher
+    from pulsediff.kernels.threads import pool
 
     from reference import word_sum_ref
 
     monkeypatch.setenv("PULSEDIFF_THREADS", threads)
     monkeypatch.setattr(cpu, "_CHECKED_RANGE_BYTES", 4096)
+    assert pool()._max_workers == int(threads)
     for label, old, new in _checked_cases():
         shift, mask = {1: (3, 15), 2: (7, 255), 4: (23, 255), 8: (52, 2047)}[old.dtype.itemsize]
         h_old, h_new = tensor_hasher(), tensor_hasher()
@@ -527,7 +558,7 @@ def test_diff_ranks_checked_reads_views_in_c_order():
     assert h_new.hexdigest() == tensor_hash(new) and (old_sum, new_sum) == (cpu.word_sum(old), cpu.word_sum(new))
 
 
-def test_diff_ranks_checked_fails_whole_and_waits_for_no_one(monkeypatch):
+def test_diff_ranks_checked_fails_whole_and_waits_for_no_one(monkeypatch, fresh_pool):
     """A range that fails still passes the hashing turn on: the call raises the error (no
     thread is left waiting on a turn that never comes)."""
     monkeypatch.setenv("PULSEDIFF_THREADS", "2")

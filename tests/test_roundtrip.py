@@ -208,13 +208,15 @@ def test_bf16_mode_sharded_index_total_size(tmp_path):
 
 
 @pytest.mark.parametrize("threads,split", [("1", 16 << 20), ("3", 16 << 20), ("3", 0), ("2", 0)])
-def test_make_writes_the_same_patch_however_its_tensors_are_read(tmp_path, monkeypatch, threads, split):
+def test_make_writes_the_same_patch_however_its_tensors_are_read(tmp_path, monkeypatch, fresh_pool, threads, split):
     """make compares each pair in one read (ranges cut to 4 KiB here, so each tensor spans
     several), on its encoding thread alone or spread over the kernel threads (split: the
-    largest tensor compared alone): the patch bytes are the same, every kind of record
-    included, and they rebuild the target bit for bit."""
+    largest tensor compared alone): the patch bytes are those of the separate passes (checks,
+    then compare) that came before, every kind of record included, and they rebuild the
+    target bit for bit."""
     import pulsediff.ops.make as make_mod
-    from pulsediff.kernels import cpu
+    from pulsediff.codecs.ctx_rans import CtxRans
+    from pulsediff.kernels import cpu, threads as threads_mod
 
     from ckpt_factory import mutate, random_tensor, save
 
@@ -227,13 +229,19 @@ def test_make_writes_the_same_patch_however_its_tensors_are_read(tmp_path, monke
            "tiny": mutate(rng, old["tiny"], 1.0)}
     old_path, new_path = save(old, tmp_path / "old.safetensors"), save(new, tmp_path / "new.safetensors")
     reference = tmp_path / "reference.pulsediff"
-    make_patch(old_path, new_path, reference)  # as shipped: default threads and range size
+    with monkeypatch.context() as separate:  # the separate passes: hashes and sums, then the compare
+        separate.setattr(CtxRans, "fuses_checks", lambda self, kernels: False)
+        make_patch(old_path, new_path, reference)
 
     monkeypatch.setenv("PULSEDIFF_THREADS", threads)
+    if threads_mod._pool is not None:  # the reference's pool has the default size
+        threads_mod._pool[1].shutdown()
+    monkeypatch.setattr(threads_mod, "_pool", None)
     monkeypatch.setattr(cpu, "_CHECKED_RANGE_BYTES", 4096)
     monkeypatch.setattr(make_mod, "SPLIT_BYTES", split)
     patch = tmp_path / "p.pulsediff"
     header = make_patch(old_path, new_path, patch)
+    assert threads_mod.pool()._max_workers == int(threads)
     assert patch.read_bytes() == reference.read_bytes()
     assert {r.name: r.op for r in header.tensors} == {"big": "patch", "f32": "patch", "same": "same", "dense": "full",
                                                       "retyped": "full", "tiny": "full"}

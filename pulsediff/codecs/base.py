@@ -79,7 +79,8 @@ class Codec(ABC):
                             max_changed: int | None = None) -> tuple[int, Encoded | None, int, int]:
         """encode_pair, with each tensor's bytes fed in order to its hasher (`update(buffer)`)
         and its word sum (FORMAT.md §3.1) taken in the same read: (changed elements, section,
-        base's sum, target's sum). Only where fuses_checks(kernels)."""
+        base's sum, target's sum); the section is None when more than `max_changed` changed
+        or none did (the tensors are the same). Only where fuses_checks(kernels)."""
         raise NotImplementedError(f"codec {self.id!r} does not fuse the checks into its compare")
 
     @abstractmethod

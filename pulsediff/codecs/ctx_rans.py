@@ -330,7 +330,7 @@ class CtxRans(Codec):
         shift, bits = class_field(dtype.name if dtype is not None else "")
         zigzag, classes, ranks, base_sum, target_sum = kernels.diff_ranks_checked(
             base, target, shift, (1 << bits) - 1, base_hasher, target_hasher)
-        if max_changed is not None and zigzag.size > max_changed:
+        if zigzag.size == 0 or max_changed is not None and zigzag.size > max_changed:
             return zigzag.size, None, base_sum, target_sum
         return zigzag.size, _encode_ranked(classes, ranks, zigzag, shift, bits), base_sum, target_sum
 

@@ -251,7 +251,7 @@ class Checkpoint:
 
     def prefetch(self, name: str) -> None:
         """Read a tensor's pages into memory and map them (blocking: call it from a thread that
-        has time). A view taken after it returns maps nothing again."""
+        has time). A view taken after it returns, until a release, skips its populate."""
         shard, entry = self._where[name]
         populate_read(shard._map, shard.header.data_start + entry.begin, entry.nbytes)
         self._mapped.add(name)

@@ -383,14 +383,15 @@ def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
 #
 # make needs, for each tensor with a base, both sides' XXH3-128 hash and word sum and the
 # compare. Taken as separate passes, each byte crossed the memory bus twice (hash and sum in
-# one pass, the compare in another), and on a machine whose memory one core nearly fills
-# (machine C: ~30 GB/s for one thread or two) a second thread then mostly waited on memory:
-# two threads took 0.8 of one thread's time. Here each range of the pair is compared, ranked
-# and summed in one read, and then, while it is still in cache, fed to the two hashers. A
-# hash is sequential, so ranges take turns for that step, in order (threads.Turns); the
-# compare, which is most of the work, runs side by side.
+# one pass, the compare in another); here each range of the pair is compared, ranked and
+# summed in one read and then, mostly still in cache, fed to the two hashers. A hash is
+# sequential, so for that step the ranges take turns in order, each side on its own
+# (threads.Turns: the old side of range c+1 can be hashed while the new side of range c is);
+# the compare, which is most of the work, runs side by side. On machine C (2 cores) the
+# compare's arithmetic dominates and this measured a few percent; where many threads share
+# one memory bus, the second pass is what binds.
 
-_CHECKED_RANGE_BYTES = 1 << 21  # per side: both sides' ranges, on every thread, stay in the L3 cache until hashed
+_CHECKED_RANGE_BYTES = 1 << 21  # per side: 2 MiB ranges measured best (docs/benchmarks-log.md, "One read")
 _SAME_BLOCK = 256
 
 
@@ -450,11 +451,7 @@ def diff_ranks_checked(old: np.ndarray, new: np.ndarray, shift: int, mask: int, 
     ranges = _checked_ranges(n, isz)
     hist = np.zeros((max(1, len(ranges)), mask + 1), np.int64)
     sums = np.zeros((max(1, len(ranges)), 2), np.uint64)
-    turns = Turns()
-
-    def hash_range(lo: int, hi: int) -> None:
-        old_hasher.update(old_raw[lo * isz:hi * isz])
-        new_hasher.update(new_raw[lo * isz:hi * isz])
+    old_turns, new_turns = Turns(), Turns()
 
     def one_range(c: int, lo: int, hi: int):
         done = False
@@ -469,9 +466,12 @@ def diff_ranks_checked(old: np.ndarray, new: np.ndarray, shift: int, mask: int, 
                     return None if k < 0 else (zigzag[:k].copy(), classes[:k].copy(), ranks[:k].copy())
                 cap = k  # denser than the buffer: read the range again into one of the counted size
         finally:
-            # The turn is taken even by a range that failed (the call then fails whole), or the
-            # ranges after it would wait forever.
-            turns.take(c, partial(hash_range, lo, hi) if done else None)
+            # Both turns are taken even by a range that failed (the call then fails whole), or
+            # the ranges after it would wait forever.
+            try:
+                old_turns.take(c, partial(old_hasher.update, old_raw[lo * isz:hi * isz]) if done else None)
+            finally:
+                new_turns.take(c, partial(new_hasher.update, new_raw[lo * isz:hi * isz]) if done else None)
 
     parts = parallel_map(one_range, [(c, lo, hi) for c, (lo, hi) in enumerate(ranges)])
     old_sum, new_sum = (int(s) for s in sums.sum(axis=0, dtype=np.uint64))

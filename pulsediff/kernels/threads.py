@@ -112,8 +112,8 @@ class Turns:
     """Lets tasks that run side by side each do one step in their index order: task c's step
     runs once task c-1's has (e.g. feeding a sequential hash with ranges other threads read).
 
-    Safe with parallel_map: its tasks start in index order, so the lowest unfinished task
-    never waits. Every task must take its turn, even one that failed, or those after it wait
+    Safe with parallel_map: the pool's queue is first in, first out, so its tasks start in
+    index order and the lowest unfinished one is always running, never waiting. Every task must take its turn, even one that failed, or those after it wait
     forever; a failed step still passes the turn on.
     """
 

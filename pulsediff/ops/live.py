@@ -113,6 +113,7 @@ class StateDict(Checkpoint):
         raw = build_header(metadata, [(e.name, e.dtype.name, e.shape, e.nbytes) for e in entries])
         self.shards = [ShardFile("", self.path, ParsedHeader(raw, metadata, tuple(entries)), None)]
         self._where = {e.name: (self.shards[0], e) for e in entries}
+        self._mapped = set()  # Checkpoint's prefetch bookkeeping (nothing is mapped here)
 
     def raw_bytes(self, name: str) -> np.ndarray:
         return host_bytes(self._tensors[name])

@@ -279,17 +279,19 @@ SPLIT_BYTES = 16 << 20
 
 
 def _check_and_encode(tgt, base, sparse, backend, alone: bool = False):
-    """One tensor with a base, as a task: both tensors' hash and word sum, then, unless they are
-    the same (XXH3-128 equality stands for bit equality, as it does for the digests) or the base
-    has another dtype or shape (then carried whole), the compare and the sparse coding. Returns
-    ((target hash, target sum, base hash, base sum), "same" | "full" | "diff", encode_pair's result)."""
+    """One tensor with a base, as a task: both tensors' hash and word sum, and, unless the base has
+    another dtype or shape (then carried whole), the compare and the sparse coding. Where the codec
+    fuses the checks into its compare (ctx-rans on the CPU), all in one read, and "same" means no
+    element differs; otherwise the checks come first, and equal XXH3-128 hashes stand for equal
+    bits (as they do for the digests) and skip the compare. Returns ((target hash, target sum,
+    base hash, base sum), "same" | "full" | "diff", encode_pair's result).
+    `alone`: run the kernels on this thread only (a small tensor while others are encoded)."""
     comparable = base.dtype is tgt.dtype and base.shape == tgt.shape
     # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
     max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
     if comparable and sparse.fuses_checks(backend):
         # The checks in the compare's own read of the pair: each byte crosses the memory bus
-        # once, which is what lets a second thread help on a machine whose memory one core
-        # nearly fills (issue 27). "same" means no element differs.
+        # once instead of twice (issue 27).
         base_hasher, tgt_hasher = tensor_hasher(), tensor_hasher()
         with inline() if alone else nullcontext():
             changed, enc, base_sum, tgt_sum = sparse.encode_pair_checked(
