@@ -345,14 +345,38 @@ def _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, his
     return k
 
 
-def _diff_ranks_chunk(old, new, lo, hi, shift, mask, hist):
-    cap = _slot_capacity(hi - lo)
+def _ranked_entries(length: int, dtype, fill):
+    """A range's (zigzag, classes, ranks) from `fill(zigzag, classes, ranks)`, a kernel call that
+    writes at most the buffers' size and returns how many it found (-1: the range has no change,
+    then None); read again into buffers of the counted size when it is denser than they are."""
+    cap = _slot_capacity(length)
     while True:
-        zigzag, classes, ranks = np.empty(cap, old.dtype), np.empty(cap, np.uint16), np.empty(cap, np.int64)
-        k = _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist)
+        zigzag, classes, ranks = np.empty(cap, dtype), np.empty(cap, np.uint16), np.empty(cap, np.int64)
+        k = fill(zigzag, classes, ranks)
+        if k < 0:
+            return None
         if k <= cap:  # copies: the range's buffer is freed now, not when the whole tensor is done
             return zigzag[:k].copy(), classes[:k].copy(), ranks[:k].copy()
-        cap = k  # denser than the buffer: read the range again into one of the counted size
+        cap = k
+
+
+def _joined_ranks(parts: list, hist: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ranges' entries (None: a range without a change) as one tensor's, in position order:
+    each range's ranks, counted from its start, offset by the class counts before it (`hist`,
+    one row per range)."""
+    kept = [(c, p) for c, p in enumerate(parts) if p is not None]
+    if not kept:
+        return np.empty(0, dtype), np.empty(0, np.uint16), np.empty(0, np.int64)
+    starts = _exclusive_scan_rows(hist)
+    for c, (_, classes, ranks) in kept:
+        if ranks.size and c:
+            ranks += starts[c][classes]
+    return tuple(np.concatenate([p[i] for _, p in kept]) for i in range(3))
+
+
+def _diff_ranks_chunk(old, new, lo, hi, shift, mask, hist):
+    return _ranked_entries(hi - lo, old.dtype, lambda zigzag, classes, ranks: _diff_ranks_range(
+        old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist))
 
 
 def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
@@ -369,14 +393,7 @@ def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
     hist = np.zeros((max(1, len(ranges)), mask + 1), np.int64)
     parts = parallel_map(_diff_ranks_chunk, [(old, new, lo, hi, shift, mask, hist[c])
                                              for c, (lo, hi) in enumerate(ranges)])
-    starts = _exclusive_scan_rows(hist)
-    for c, (_, classes, ranks) in enumerate(parts):
-        if ranks.size and c:
-            ranks += starts[c][classes]
-    if not parts:
-        return np.empty(0, old.dtype), np.empty(0, np.uint16), np.empty(0, np.int64), hist.sum(axis=0)
-    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-            np.concatenate([p[2] for p in parts]), hist.sum(axis=0))
+    return (*_joined_ranks(parts, hist, old.dtype), hist.sum(axis=0))
 
 
 # -- make's one read of a pair: compare, class ranks, word sums and hashes --------------
@@ -456,15 +473,11 @@ def diff_ranks_checked(old: np.ndarray, new: np.ndarray, shift: int, mask: int, 
     def one_range(c: int, lo: int, hi: int):
         done = False
         try:
-            cap = _slot_capacity(hi - lo)
-            while True:
-                zigzag, classes, ranks = np.empty(cap, old.dtype), np.empty(cap, np.uint16), np.empty(cap, np.int64)
-                k = _checked_diff_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist[c],
-                                        old_words, new_words, lo * isz // 8, min(nwords, hi * isz // 8), sums[c])
-                if k <= cap:
-                    done = True
-                    return None if k < 0 else (zigzag[:k].copy(), classes[:k].copy(), ranks[:k].copy())
-                cap = k  # denser than the buffer: read the range again into one of the counted size
+            part = _ranked_entries(hi - lo, old.dtype, lambda zigzag, classes, ranks: _checked_diff_range(
+                old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist[c], old_words, new_words,
+                lo * isz // 8, min(nwords, hi * isz // 8), sums[c]))
+            done = True
+            return part
         finally:
             # Both turns are taken even by a range that failed (the call then fails whole), or
             # the ranges after it would wait forever.
@@ -478,22 +491,12 @@ def diff_ranks_checked(old: np.ndarray, new: np.ndarray, shift: int, mask: int, 
     if old_raw.size % 8:
         old_sum += _word_sum_tail(old_raw, nwords)
         new_sum += _word_sum_tail(new_raw, nwords)
-    changed = [c for c, p in enumerate(parts) if p is not None]
-    if not changed:
-        return (np.empty(0, old.dtype), np.empty(0, np.uint16), np.empty(0, np.int64),
-                old_sum & 0xFFFFFFFFFFFFFFFF, new_sum & 0xFFFFFFFFFFFFFFFF)
     # Ranges without a change before the last changed one still count toward later ranks.
-    missing = [(old, ranges[c][0], ranges[c][1], shift, mask, hist[c]) for c in range(changed[-1])
-               if parts[c] is None]
-    parallel_map(_class_histogram_range, missing)
-    starts = _exclusive_scan_rows(hist)
-    for c in changed:
-        _, classes, ranks = parts[c]
-        if ranks.size and c:
-            ranks += starts[c][classes]
-    return (np.concatenate([parts[c][0] for c in changed]), np.concatenate([parts[c][1] for c in changed]),
-            np.concatenate([parts[c][2] for c in changed]), old_sum & 0xFFFFFFFFFFFFFFFF,
-            new_sum & 0xFFFFFFFFFFFFFFFF)
+    last = max((c for c, p in enumerate(parts) if p is not None), default=0)
+    parallel_map(_class_histogram_range, [(old, ranges[c][0], ranges[c][1], shift, mask, hist[c])
+                                          for c in range(last) if parts[c] is None])
+    m64 = 0xFFFFFFFFFFFFFFFF
+    return (*_joined_ranks(parts, hist, old.dtype), old_sum & m64, new_sum & m64)
 
 
 # The ranked apply walks each range with a countdown per class: how many more

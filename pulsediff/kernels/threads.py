@@ -113,8 +113,9 @@ class Turns:
     runs once task c-1's has (e.g. feeding a sequential hash with ranges other threads read).
 
     Safe with parallel_map: the pool's queue is first in, first out, so its tasks start in
-    index order and the lowest unfinished one is always running, never waiting. Every task must take its turn, even one that failed, or those after it wait
-    forever; a failed step still passes the turn on.
+    index order and the lowest unfinished one is always running, never waiting. Every task
+    must take its turn, even one that failed, or those after it wait forever; a failed step
+    still passes the turn on.
     """
 
     def __init__(self) -> None:

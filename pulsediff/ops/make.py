@@ -379,8 +379,11 @@ class _Encoder:
         self._depth = num_threads()
         self._pool = ThreadPoolExecutor(max_workers=self._depth, thread_name_prefix="pulsediff-encode") \
             if pipelined else None
-        self.pipelined = self._pool is not None
         self._pending = deque()
+
+    @property
+    def pipelined(self) -> bool:
+        return self._pool is not None
 
     # Tensors in flight hold their inputs (memory of their own when cast to BF16):
     # past this many bytes, wait for the oldest before taking more. Checked once a
