@@ -449,7 +449,7 @@ def shrink_trials(n: int, root: Path, seed: int = 0) -> dict:
                     problem = f"exit 0 with a wrong output {err[-200:]!r}"
             elif proc.returncode == 1:
                 counts["refused"] += 1
-                if len(err.splitlines()) != 1 or "Traceback" in err:
+                if not _one_line(err):
                     problem = f"not one line: {err[-300:]!r}"
                 elif "victim.safetensors" not in err:
                     problem = f"the message does not name the file: {err!r}"
@@ -459,15 +459,25 @@ def shrink_trials(n: int, root: Path, seed: int = 0) -> dict:
                     counts["refused: " + re.sub(r"\d[\d,]*", "N", err.replace(str(trial), "T"))[:100]] += 1
             else:
                 problem = f"exit {proc.returncode}: {err[-300:]!r}"
-            if left:
-                problem = (problem + "; " if problem else "") + f"temporaries left: {left}"
-            if problem:
-                problems.append(f"trial {t} (truncated to {keep} of {size} bytes at {at:.3f} s): {problem}")
+            _note_problem(problems, f"trial {t} (truncated to {keep} of {size} bytes at {at:.3f} s)", problem, left)
             shutil.rmtree(trial, ignore_errors=True)
         results[mode] = {"trials": n, "command_s_median": round(window, 3), "counts": dict(counts),
                          "problems": problems}
         print(f"shrink trials, {mode}: {dict(counts)}; problems: {len(problems)}", flush=True)
     return results
+
+
+def _one_line(err: str) -> bool:
+    """A refusal as users must see it: one line, no traceback."""
+    return len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def _note_problem(problems: list[str], trial: str, problem: str | None, left: list[str]) -> None:
+    """Adds the trial's problem, with any temporaries it left, to `problems` (nothing when neither)."""
+    if left:
+        problem = (problem + "; " if problem else "") + f"temporaries left: {left}"
+    if problem:
+        problems.append(f"{trial}: {problem}")
 
 
 # -- remote trials: a server that fails objects -----------------------------------------
@@ -527,7 +537,7 @@ def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
             elif proc.returncode == 1:
                 stopped = re.search(r"stopped at step (\d+):", err)
                 counts["went part of the way, said where (exit 1)" if stopped else "refused"] += 1
-                if len(err.splitlines()) != 1 or "Traceback" in err:
+                if not _one_line(err):
                     problem = f"not one line: {err[-300:]!r}"
                 elif stopped and now != published.get(int(stopped.group(1))):
                     problem = f"says it stopped at step {stopped.group(1)}, but the worker is not that step: {err!r}"
@@ -535,10 +545,7 @@ def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
                     problem = f"refused, but the worker changed: {err[-300:]!r}"
             else:
                 problem = f"exit {proc.returncode}: {err[-300:]!r}"
-            if left:
-                problem = (problem + "; " if problem else "") + f"temporaries left: {left}"
-            if problem:
-                problems.append(f"trial {t} (from step {start}): {problem}")
+            _note_problem(problems, f"trial {t} (from step {start})", problem, left)
             shutil.rmtree(trial, ignore_errors=True)
     finally:
         server.close()
