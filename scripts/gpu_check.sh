@@ -12,10 +12,17 @@
 #                                              # maintenance mode, fails to compile on numpy 2.5)
 #     scripts/gpu_check.sh [PHASE] [--quick]   # on the GPU machine
 #
-# PHASE is all (default), or one of: tests (~3 min), bench (~5 min on the 7B shape: it makes
-# a 7B patch twice, from host copies and from CUDA state dicts, each tens of seconds today),
-# cli (~2 min). Where one command may run 10 minutes, run the phases as separate commands.
-# --quick: a 16M-element kernel bench without the 7B model, and a 0.25 GB CLI pair.
+# PHASE is all (default), or one of, in the order `all` runs them (issue 32: bench first):
+#   bench   (~5 min on the 7B shape: it makes a 7B patch twice, from host copies and from CUDA
+#            state dicts, each tens of seconds today);
+#   threads (~2 min: make and apply of a 1 GB pair at PULSEDIFF_THREADS 1 2 4 8 16, alternating);
+#   tests   (~3 min);
+#   cli     (~2 min).
+# Each phase is cut off after its limit (seconds: BENCH_LIMIT 330, THREADS_LIMIT 150, TESTS_LIMIT
+# 150, CLI_LIMIT 120), so `all` ends within about 12.5 minutes and a slow phase leaves the rest
+# their turn; a cut-off phase reports "exit 124". Where one command may run 10 minutes, run the
+# phases as separate commands, or `all` with smaller limits.
+# --quick: a 16M-element kernel bench without the 7B model, and 0.25 GB CLI and threads pairs.
 #
 # Environment: GPU_PYTHON (default python3), GPU_PY_VERSION for --fetch-wheels (default 3.12).
 set -uo pipefail
@@ -34,12 +41,14 @@ PHASE=all
 for arg in "$@"; do
     case "$arg" in
         --quick) QUICK=1 ;;
-        all|tests|bench|cli) PHASE=$arg ;;
-        *) echo "usage: $0 [all|tests|bench|cli] [--quick] | --fetch-wheels" >&2; exit 2 ;;
+        all|tests|bench|threads|cli) PHASE=$arg ;;
+        *) echo "usage: $0 [all|bench|threads|tests|cli] [--quick] | --fetch-wheels" >&2; exit 2 ;;
     esac
 done
 want() { [ "$PHASE" = all ] || [ "$PHASE" = "$1" ]; }
-TESTS_RC=skipped BENCH_RC=skipped CLI_RC=skipped
+TESTS_RC=skipped BENCH_RC=skipped THREADS_RC=skipped CLI_RC=skipped
+# A phase past its limit is killed (SIGTERM, then SIGKILL 10 s later): exit 124 or 137.
+limited() { local limit=$1; shift; timeout -k 10 "$limit" "$@"; }
 
 OUT=${OUT:-$REPO/gpu-check-out}
 mkdir -p "$OUT"
@@ -67,30 +76,39 @@ from pulsediff.kernels import cuda_usable
 print("pulsediff CUDA kernels usable:", cuda_usable())
 PYEOF
 
-if want tests; then
-    echo "== tests on the device"
-    TESTS="tests/test_kernels_cuda.py tests/test_kernels.py tests/test_class_sort.py tests/test_live.py
-           tests/test_live_sums.py tests/test_device_choice.py tests/test_golden.py tests/test_cli.py"
-    # shellcheck disable=SC2086
-    "$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
-    TESTS_RC=$?
-    tail -n 15 "$OUT/tests.log"
-fi
-
 if want bench; then
     echo "== kernels and the 7B shape"
     if [ $QUICK = 1 ]; then BENCH_ARGS="--elements 16777216 --model none --repeats 3"
     else BENCH_ARGS="--live --make --repeats 3"; fi
     # shellcheck disable=SC2086
-    "$PY" scripts/bench_gpu.py $BENCH_ARGS > "$OUT/bench_gpu.md" 2>&1
+    limited "${BENCH_LIMIT:-330}" "$PY" scripts/bench_gpu.py $BENCH_ARGS > "$OUT/bench_gpu.md" 2>&1
     BENCH_RC=$?
     cat "$OUT/bench_gpu.md"
+fi
+
+if want threads; then
+    echo "== make and apply from 1 to 16 threads (the device machine's cores)"
+    if [ $QUICK = 1 ]; then GB=0.25; else GB=1.0; fi
+    limited "${THREADS_LIMIT:-150}" "$PY" scripts/bench_variants.py --threads 1 2 4 8 16 --gb $GB --density 0.02 \
+        --repeats 2 --workdir "$(mktemp -d)" > "$OUT/threads.md" 2>&1
+    THREADS_RC=$?
+    cat "$OUT/threads.md"
+fi
+
+if want tests; then
+    echo "== tests on the device"
+    TESTS="tests/test_kernels_cuda.py tests/test_kernels.py tests/test_class_sort.py tests/test_live.py
+           tests/test_live_sums.py tests/test_device_choice.py tests/test_golden.py tests/test_cli.py"
+    # shellcheck disable=SC2086
+    limited "${TESTS_LIMIT:-150}" "$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
+    TESTS_RC=$?
+    tail -n 15 "$OUT/tests.log"
 fi
 
 if want cli; then
     echo "== the CLI on a file pair, each --device"
     if [ $QUICK = 1 ]; then GB=0.25; else GB=1.0; fi
-    "$PY" scripts/bench_variants.py --devices cpu auto cuda --gb $GB --density 0.02 --repeats 3 --workdir "$(mktemp -d)" \
+    limited "${CLI_LIMIT:-120}" "$PY" scripts/bench_variants.py --devices cpu auto cuda --gb $GB --density 0.02 --repeats 3 --workdir "$(mktemp -d)" \
         > "$OUT/cli_devices.md" 2>&1
     CLI_RC=$?
     cat "$OUT/cli_devices.md"
@@ -104,5 +122,6 @@ if [ "$TESTS_RC" = skipped ]; then TESTS_LINE="not run"
 else TESTS_LINE="$(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.log" | tail -n 1 || true)"; TESTS_LINE=${TESTS_LINE:-"exit $TESTS_RC"}; fi
 printf '| tests (NUMBA_ENABLE_CUDASIM=0) | %s |\n' "$TESTS_LINE"
 printf '| scripts/bench_gpu.py (bit for bit) | %s |\n' "$(result $BENCH_RC)"
+printf '| threads 1-16 (outputs cmp-identical) | %s |\n' "$(result $THREADS_RC)"
 printf '| CLI per device (outputs cmp-identical) | %s |\n' "$(result $CLI_RC)"
-for rc in $TESTS_RC $BENCH_RC $CLI_RC; do [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1; done
+for rc in $TESTS_RC $BENCH_RC $THREADS_RC $CLI_RC; do [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1; done
