@@ -24,6 +24,7 @@ LAYERS = [
     ("format",),
     ("ops",),
     ("series",),
+    ("engines",),
     ("cli",),
     ("__main__", ""),  # the package's own __init__: the public API, on top of everything
 ]

@@ -149,7 +149,7 @@ CHECKS = ("auto", "digests", "sums")
 
 def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
                         device: str | None = None, check: str = "auto", expect_target: str | None = None,
-                        expect_where: str = "the signed manifest") -> LiveApplyResult:
+                        expect_where: str = "the signed manifest", changes: dict | None = None) -> LiveApplyResult:
     """Apply one patch, or a chain of patches in order, to live tensors in place.
 
     `tensors` maps names to torch tensors (CPU or CUDA), e.g. `model.state_dict()`
@@ -165,6 +165,12 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     `expect_target` (a signed series: its entry's target digest): the last
     patch must have that target, else UntrustedManifestError naming
     `expect_where`, and the tensors are as they were.
+
+    `changes` (a dict, filled only on success): name -> the flat positions written
+    in that tensor, a sorted int64 NumPy array over the whole chain, or None where a
+    tensor was written whole. For a consumer that must mirror the writes elsewhere
+    (an inference engine's parameters, pulsediff.engines), at the cost of the
+    positions' host copy on a GPU.
     """
     if not isinstance(patches, list):
         patches = [patches]
@@ -192,7 +198,24 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
         if lost:
             exc.add_note("not put back (interrupted during the write): " + ", ".join(sorted(set(lost))))
         raise
+    if changes is not None:
+        changes.update(_written_positions(undo))
     return LiveApplyResult(status, len(changed_tensors), changed_elements, target)
+
+
+def _written_positions(undo: list) -> dict:
+    """name -> sorted unique positions written (host int64), or None for a tensor written whole,
+    from the undo log of a successful apply."""
+    parts: dict[str, list | None] = {}
+    for entry in undo:
+        if entry.positions is None or parts.get(entry.name, []) is None:
+            parts[entry.name] = None
+            continue
+        positions = entry.positions
+        if not isinstance(positions, np.ndarray):  # a device array: a torch tensor, or a Numba one
+            positions = positions.cpu().numpy() if hasattr(positions, "cpu") else positions.copy_to_host()
+        parts.setdefault(entry.name, []).append(np.asarray(positions, dtype=np.int64))
+    return {name: None if got is None else np.unique(np.concatenate(got)) for name, got in parts.items()}
 
 
 @dataclass

@@ -297,60 +297,98 @@ class LiveCatchUp:
     digest: str = ""  # the digest the tensors now have (pass it to the next catch-up)
 
 
-def catch_up_state_dict(tensors: MutableMapping, folder: str | Path, *, device: str | None = None,
+def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *, device: str | None = None,
                         check: str = "auto", digest: str | None = None, trust=None,
-                        trust_state: str | Path | None = None) -> LiveCatchUp:
-    """`pulsediff catch-up` for live tensors: follow a published series folder (pulsediff publish)
-    to its newest step in place, by the cheapest chain of intact patches from the tensors' digest.
+                        trust_state: str | Path | None = None, step: int | None = None,
+                        changes: dict | None = None, cache: Path | None = None) -> LiveCatchUp:
+    """`pulsediff catch-up` for live tensors: follow a published series (a folder, an `s3://` or
+    `http(s)://` URL, or a Store) in place, by the cheapest chain of intact patches from the
+    tensors' digest to `step` (default: the newest).
 
     `digest`: the digest the tensors are known to have (the `target_digest` of the last
     apply), which spares hashing them on the host to find where they are in the series (on
     a GPU, a copy of every tensor); the chain's first patch checks the base all the same
-    (by word sums under check="sums"), though a `digest` that names the newest step is
-    taken at its word. `check` is apply_to_state_dict's. `trust` and `trust_state`: as
-    `catch_up`'s (a signed series: the manifest signed by a trusted key and not older than
-    one accepted before, each file's SHA-256 the one it names)."""
+    (by word sums under check="sums"), though a `digest` that names the target step is
+    taken at its word. `check` and `changes` are apply_to_state_dict's. `trust` and
+    `trust_state`: as `catch_up`'s (a signed series: the manifest signed by a trusted key
+    and not older than one accepted before, each file's SHA-256 the one it names). Remote
+    files are fetched into `cache` (default: remote.default_cache). Every file of the chain
+    is fetched and checked before the first tensor is written; on any error the tensors are
+    as they were."""
     from pulsediff.ops.live import apply_to_state_dict, state_dict_digest
     from pulsediff.series.signing import as_trust
 
-    folder = Path(folder)
     trust = as_trust(trust, trust_state)
-    manifest = read_source_manifest(Folder(folder), trust)
+    store = open_store(source, cache=cache)
+    where = _shown(store, MANIFEST)
+    manifest = read_source_manifest(store, trust)
     if manifest is None or manifest.newest is None:
-        raise PulsediffError(f"{folder} holds no published series (no manifest.json with entries)")
-    newest = manifest.newest
+        raise CheckpointNotFoundError(where, "manifest")
+    goal = step_entry(manifest, step, store.location)
     if digest is None:
         digest = state_dict_digest(tensors, manifest.precision)
-    if digest == newest.target:
-        return LiveCatchUp("up-to-date", manifest.step_of(digest), 0, 0, digest)
-    # With trust, every file is copied while hashed and applied from that private copy: one swapped in
-    # the folder after its check is never read (PrivateCopies, below).
-    private = PrivateCopies() if trust is not None else None
+    if digest == goal.target:
+        return LiveCatchUp("up-to-date", goal.step, 0, 0, digest)
+    # With trust, every local file is copied while hashed and applied from that private copy: one swapped in
+    # the folder after its check is never read (PrivateCopies, below). Remote files are private copies already.
+    private = PrivateCopies() if trust is not None and not store.remote else None
+
+    def check_one(path: Path, e: Entry) -> str | None:
+        return check_file(path, e, manifest.precision, where, authenticate=trust is not None,
+                          private=private.path(e.file) if private is not None else None)
+
+    def used(name: str) -> Path:
+        return private.path(name) if private is not None else store.path(name)
+
     try:
-        drop: set[str] = set()
+        problems: dict[str, str] = {}
+        trusted: set[str] = set()
         for _ in range(MAX_SEARCHES):
-            chain = cheapest_paths(manifest.entries, digest, drop)
-            if not chain.reaches(newest.target):
-                raise PulsediffError(f"no intact chain of patches in {folder} leads from the live tensors "
-                                     f"({digest}) to step {newest.step}")
-            links = chain.path_to(newest.target)
-            bad = next((e for e in links if check_file(
-                folder / e.file, e, manifest.precision, str(folder), authenticate=trust is not None,
-                private=private.path(e.file) if private is not None else None) is not None), None)
-            if bad is None:
+            paths = cheapest_paths(manifest.entries, digest, set(problems))
+            if not paths.reaches(goal.target):
+                raise PulsediffError(f"no intact chain of patches in {store.location} leads from the live tensors "
+                                     f"({digest}) to step {goal.step}"
+                                     + (f" ({_describe(problems)})" if problems else ""))
+            links = paths.path_to(goal.target)
+            found = store.fetch([e for e in links if e.file not in trusted], check_one)  # fetched and checked
+            problems.update(found)
+            trusted.update(e.file for e in links if e.file not in found)
+            if all(e.file in trusted for e in links):
                 break
-            drop.add(bad.file)
         else:
-            raise InvalidManifestError(str(folder), f"no intact chain after {MAX_SEARCHES} searches")
+            raise InvalidManifestError(where, f"no intact chain after {MAX_SEARCHES} searches")
         result = apply_to_state_dict(
-            tensors, [private.path(e.file) if private is not None else folder / e.file for e in links],
-            device=device, check=check, expect_target=newest.target if trust is not None else None,
-            expect_where=str(folder / "manifest.json"))
+            tensors, [used(e.file) for e in links], device=device, check=check,
+            expect_target=goal.target if trust is not None else None, expect_where=where, changes=changes)
+        store.forget([e.file for e in links], {e.file for e in manifest.entries})
     finally:
         if private is not None:
             private.close()
+        store.close()
     return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links), result.changed_elements,
                        result.target_digest)
+
+
+def step_entry(manifest: Manifest, step: int | None, location: str) -> Entry:
+    """The manifest's entry for `step` (any entry with that step: they share one target), or the newest's."""
+    if step is None:
+        return manifest.newest
+    found = next((e for e in manifest.entries if e.step == step), None)
+    if found is None:
+        steps = sorted({e.step for e in manifest.entries})
+        raise CheckpointNotFoundError(f"step {step} in {location} (it has steps {_ranges(steps)})", "step")
+    return found
+
+
+def _ranges(steps: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # -- private copies: what a trusting worker checks is what it applies --------------------------------------

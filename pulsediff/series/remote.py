@@ -43,8 +43,8 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 from pulsediff.io.atomic import TMP_SUFFIX, output_error, remove_stale_temporaries, temp_prefix
-from pulsediff.errors import (FetchError, InvalidManifestError, MissingExtraError, PublishConflictError, PulsediffError,
-                              UsageError)
+from pulsediff.errors import (CheckpointNotFoundError, FetchError, InvalidManifestError, MissingExtraError,
+                              PublishConflictError, PulsediffError, UsageError)
 from pulsediff.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, PATCH_SUFFIX, Entry, Manifest
 from pulsediff.runtime.progress import SILENT, Progress
 from pulsediff.series.store import Check, Folder, Store
@@ -172,6 +172,10 @@ class _Fetched:
     fresh: bool  # downloaded whole in this call (not resumed, not found in the cache)
 
 
+def _too_large(where: str, limit: int) -> PulsediffError:
+    return PulsediffError(f"{where} is larger than {limit} bytes")
+
+
 class ObjectStoreSource(Store):
     """An S3 prefix or an HTTP(S) base URL, read (and for S3 written) with obstore."""
 
@@ -234,20 +238,29 @@ class ObjectStoreSource(Store):
         return self._manifest[1]
 
     def read_signature(self) -> bytes | None:
-        import obstore as obs
-
         from pulsediff.series.signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME
 
-        where = self.where(SIGNATURE_NAME)
+        return self.read_object(SIGNATURE_NAME, MAX_SIGNATURE_BYTES, missing_ok=True,
+                                too_large=lambda where, limit: InvalidManifestError(where, f"larger than {limit} bytes"))
+
+    def read_object(self, name: str, limit: int, *, missing_ok: bool = False, too_large=None) -> bytes | None:
+        """One object's bytes, read whole into memory (at most `limit`, checked as they arrive; past it,
+        the error `too_large(where, limit)` makes). A missing object: None with `missing_ok`, else
+        CheckpointNotFoundError."""
+        import obstore as obs
+
+        where = self.where(name)
         try:
             data = bytearray()
-            for chunk in obs.get(self.store, SIGNATURE_NAME).stream(CHUNK):
+            for chunk in obs.get(self.store, name).stream(CHUNK):
                 data += chunk
-                if len(data) > MAX_SIGNATURE_BYTES:
-                    raise InvalidManifestError(where, f"larger than {MAX_SIGNATURE_BYTES} bytes")
+                if len(data) > limit:
+                    raise (too_large or _too_large)(where, limit)
         except Exception as exc:
             if _is_network_error(exc) and _is_missing(exc):
-                return None
+                if missing_ok:
+                    return None
+                raise CheckpointNotFoundError(where, "file") from None
             raise self._failure(f"cannot read {where}", exc) from None
         return bytes(data)
 

@@ -1,0 +1,10 @@
+"""Inference engines fed from patches: the layer above series/ and ops/.
+
+- state.py: `HostState`, the checkpoint an engine holds, in checkpoint coordinates and host
+  memory, moved along a series with every file and tensor verified before anything is written;
+  the engine-independent half of every engine backend.
+- vllm.py: the vLLM weight-transfer backend (worker side), registered by vllm_plugin.py.
+- vllm_client.py: drives a running `vllm serve` over its HTTP routes (`pulsediff vllm-sync`).
+
+vLLM is imported in vllm.py alone, and only when vLLM itself creates the backend.
+"""

@@ -1,0 +1,170 @@
+"""What an inference engine holds, in checkpoint coordinates: the base every patch is decoded against.
+
+An engine's own parameters are a poor base. vLLM fuses q/k/v and gate/up, shards them across
+tensor-parallel ranks and, on the CPU, repacks every Linear weight into an opaque oneDNN handle
+(the `.weight` is then empty). Reading them back into checkpoint names would need every model's
+loader run in reverse. So the engine side keeps `HostState`: the checkpoint the engine was started
+from, as one host tensor per checkpoint name, kept at the engine's current step. A patch is
+decoded and fully verified against it (apply_to_state_dict: the base's digest, every tensor's
+target hash, signatures under trust) before the engine is touched, and what changed is then
+handed to the engine in checkpoint coordinates, which its own `load_weights` maps into fused and
+sharded parameters.
+
+Cost: one host copy of the checkpoint (its size in host memory, never in device memory).
+`HostState` is independent of any engine: vLLM (engines/vllm.py) and a second engine share it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pulsediff.errors import PulsediffError, UsageError
+
+__all__ = ["HostState", "Advance", "load_host_state", "parse_update_request"]
+
+
+@dataclass
+class Advance:
+    """What one update did to the host state."""
+
+    status: str  # "applied" or "up-to-date"
+    step: int | None  # the series' step for the digest reached (None for a lone patch file)
+    digest: str  # the digest the state now has
+    changes: dict = field(default_factory=dict)  # name -> sorted flat positions written, or None (whole tensor)
+    links: int = 0  # patch files applied
+
+
+class HostState:
+    """name -> contiguous CPU torch tensor (checkpoint names, dtypes and shapes) and its digest."""
+
+    def __init__(self, tensors: dict, digest: str, step: int | None = None, origin: str = ""):
+        self.tensors = tensors
+        self.digest = digest
+        self.step = step
+        self.origin = origin  # where it was loaded from, for messages
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def advance(self, source: str, step: int | None = None, trust=None, trust_state=None,
+                cache: Path | None = None) -> Advance:
+        """Bring the tensors to `step` of the series at `source` (a folder, s3:// or http(s):// URL, or a
+        path to its manifest.json), or through the patch file `source` (a path, or a URL ending in
+        .pulsediff). Every file is fetched and checked, and every tensor verified, before the first is
+        written; on any error the tensors are as they were and PulsediffError says why."""
+        from pulsediff.ops.live import apply_to_state_dict
+
+        kind, where = classify_source(source)
+        changes: dict = {}
+        if kind == "patch":
+            if step is not None or trust is not None:
+                raise UsageError(f"{source} is one patch file: 'step' and 'trust' need a published series")
+            result = apply_to_state_dict(self.tensors, [where], check="digests", changes=changes)
+            self.digest, self.step = result.target_digest, None
+            return Advance(result.status, None, result.target_digest, changes, 1)
+        from pulsediff.series.catch_up import catch_up_state_dict
+
+        result = catch_up_state_dict(self.tensors, where, check="digests", digest=self.digest, trust=trust,
+                                     trust_state=trust_state, step=step, changes=changes, cache=cache)
+        self.digest, self.step = result.digest, result.step
+        return Advance(result.status, result.step, result.digest, changes, result.links)
+
+
+def classify_source(source: str) -> tuple[str, "str | bytes"]:
+    """("patch", a local path or the bytes of a fetched patch URL) or ("series", what open_store takes)."""
+    if not isinstance(source, str) or not source:
+        raise UsageError(f"'source' must be a non-empty string (a patch file, a series folder or URL), not {source!r}")
+    from pulsediff.series.remote import is_remote
+
+    if is_remote(source):
+        if source.split("?", 1)[0].endswith(".pulsediff"):
+            return "patch", fetch_patch_url(source)
+        return "series", source.rstrip("/")
+    path = Path(source)
+    if path.name == "manifest.json":
+        return "series", str(path.parent)
+    if path.is_dir():
+        return "series", source
+    if path.is_file():
+        return "patch", source
+    raise PulsediffError(f"{source}: no such patch file or series folder")
+
+
+MAX_PATCH_URL_BYTES = 64 << 30
+
+
+def fetch_patch_url(url: str) -> bytes:
+    """The bytes of one patch file over HTTP(S) or S3 (its own checksums are checked when it is read)."""
+    from pulsediff.series.remote import open_store
+
+    parent, _, name = url.split("?", 1)[0].rpartition("/")
+    store = open_store(parent + "/")
+    try:
+        return store.read_object(name, MAX_PATCH_URL_BYTES)
+    finally:
+        store.close()
+
+
+def load_host_state(folder: str | os.PathLike) -> HostState:
+    """The checkpoint at `folder` (a .safetensors file, or a model folder of shards with an index)
+    copied into host memory, with its digest (docs/FORMAT.md §3). The file is only read."""
+    import torch
+
+    from pulsediff.io.checkpoint import Checkpoint
+    from pulsediff.ops.live import state_dict_digest
+
+    path = Path(folder)
+    tensors = {}
+    with Checkpoint(path) as ckpt:
+        for name in ckpt.names:
+            entry = ckpt.entry(name)
+            raw = np.array(ckpt.raw_bytes(name), copy=True)  # a private copy: the file's pages stay untouched
+            dtype = getattr(torch, entry.dtype.torch_name) if entry.dtype.torch_name else None
+            if dtype is None:
+                raise UsageError(f"{path}: tensor {name!r} is {entry.dtype.name}, which torch cannot hold")
+            tensors[name] = torch.from_numpy(raw).view(dtype).reshape(entry.shape)
+    if not tensors:
+        raise PulsediffError(f"{path} holds no tensors")
+    return HostState(tensors, state_dict_digest(tensors), origin=str(path))
+
+
+# -- the request an engine's update takes ---------------------------------------------------------
+
+UPDATE_KEYS = ("source", "step", "trust")
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    source: str
+    step: int | None = None
+    trust: tuple[str, ...] | None = None  # public keys (ed25519:... lines) or files of them
+
+
+def parse_update_request(info) -> UpdateRequest:
+    """{"source": S, "step": N, "trust": K} checked for type and range (UsageError, one line)."""
+    if not isinstance(info, dict):
+        raise UsageError(f"update_info must be an object with 'source' (and optionally 'step', 'trust'), "
+                         f"not {type(info).__name__}")
+    unknown = sorted(set(info) - set(UPDATE_KEYS))
+    if unknown:
+        raise UsageError(f"update_info has unknown key {unknown[0]!r}; it takes {', '.join(UPDATE_KEYS)}")
+    if "source" not in info:
+        raise UsageError("update_info needs 'source': a patch file, a series folder, or an s3:// or http(s):// URL")
+    source = info["source"]
+    if not isinstance(source, str) or not source or len(source) > 4096 or "\0" in source:
+        raise UsageError(f"update_info 'source' must be a path or URL string, not {source!r:.80}")
+    step = info.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 63):
+        raise UsageError(f"update_info 'step' must be a non-negative integer, not {step!r:.40}")
+    trust = info.get("trust")
+    if trust is not None:
+        keys = [trust] if isinstance(trust, str) else trust
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+            raise UsageError("update_info 'trust' must be a public key (or a file of them) or a list of them")
+        trust = tuple(keys)
+    return UpdateRequest(source, step, trust)

@@ -1,0 +1,233 @@
+"""pulsediff as a vLLM weight-transfer backend: patches straight into a running engine.
+
+vLLM (0.32+) loads weight-transfer backends by name (`WeightTransferConfig(backend="pulsediff")`);
+`pulsediff.engines.vllm_plugin` registers this one through vLLM's `vllm.general_plugins` entry
+point, so every vLLM process finds it without an import by hand. Then, offline or over
+`vllm serve`'s routes:
+
+    init_weight_transfer_engine({})            # optional: loads the host state now, not at the first update
+    start_weight_update()
+    update_weights({"source": S, "step": N, "trust": K})
+    finish_weight_update(weight_version=str(N))
+    reset_prefix_cache()                       # KV computed with the old weights must not be served
+
+S is a patch file (a path, or an http(s):// or s3:// URL ending in .pulsediff) or a published
+series (a folder, or an s3:// or http(s):// URL): the engine moves to step N (default: the
+newest) by the cheapest chain of intact patches, as `pulsediff catch-up` does. K (a public key,
+a file of keys, or a list) takes only a series signed by one of them.
+
+What happens, in order (every worker does it for itself):
+
+1. Verify, touching nothing: the request's types; the manifest (and its signature under K); the
+   chain's files (size, checksums, SHA-256 under K); then every patch is decoded against the
+   worker's `HostState` (engines/state.py: the checkpoint in host memory, kept at the engine's
+   step) and every rebuilt tensor checked against its target hash. A failure here raises one
+   line and leaves the host state and the engine as they were: the engine keeps serving its
+   old weights.
+2. Load into the engine, through the model's own `load_weights` (fused q/k/v and gate/up,
+   tensor-parallel shards):
+   - `reload` (vLLM's CPU backend, whose Linear weights are repacked into oneDNN handles and
+     cannot be written in place): the layerwise reload vLLM's `reload_weights` does, fed from
+     the host state instead of the disk. Every tensor goes in: a layer given only part of its
+     weights would be finalized with the rest unset.
+   - `sparse` (GPU engines, whose parameters are plain tensors, and the CPU backend under
+     PULSEDIFF_VLLM_UNPACKED=1): only the changed elements, as (flat indices, values) in
+     checkpoint coordinates through vLLM's `load_checkpoint_weight_patches`; device memory
+     beyond the model stays under its 512 MiB staging chunk.
+   vLLM's loaders are not transactional. If one fails here (out of memory, say), the host
+   state is already at the target and the engine's weights are undefined: the error says so,
+   and the next update loads every tensor from the host state whatever it changes. On the CPU
+   backend a failed layerwise reload leaves layers on the meta device and the next generate
+   fails: restart the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from pulsediff.engines.state import HostState, load_host_state, parse_update_request
+from pulsediff.errors import PulsediffError, UsageError
+
+__all__ = ["PulsediffWeightTransferEngine", "PulsediffInitInfo", "PulsediffUpdateInfo", "BACKEND"]
+
+BACKEND = "pulsediff"
+UNPACKED_ENV = "PULSEDIFF_VLLM_UNPACKED"
+
+
+@dataclass
+class PulsediffInitInfo(WeightTransferInitInfo):
+    """init_weight_transfer_engine's init_info: every field optional."""
+
+    trust_state: str | None = None  # where a signed series' rollback record is kept (signing.default_state_file)
+    cache: str | None = None  # where remote series' files are fetched (remote.default_cache)
+
+
+@dataclass
+class PulsediffUpdateInfo(WeightTransferUpdateInfo):
+    """update_weights' update_info: {"source": S, "step": N, "trust": K}."""
+
+    source: str
+    step: int | None = None
+    trust: tuple[str, ...] | None = None
+
+
+class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, PulsediffUpdateInfo]):
+    init_info_cls = PulsediffInitInfo
+    update_info_cls = PulsediffUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.init_info = PulsediffInitInfo()
+        self.state: HostState | None = None
+        self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
+        self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
+
+    # -- the four calls -----------------------------------------------------------------------
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> PulsediffInitInfo:
+        if not isinstance(init_dict, dict) or set(init_dict) - {"trust_state", "cache"}:
+            raise ValueError("init_info for the pulsediff backend takes only 'trust_state' and 'cache'")
+        for key, value in init_dict.items():
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"init_info {key!r} must be a path string")
+        return PulsediffInitInfo(**init_dict)
+
+    def init_transfer_engine(self, init_info: PulsediffInitInfo) -> None:
+        self.init_info = init_info
+        self.host_state()  # read the checkpoint now rather than on the first update's critical path
+
+    def start_weight_update(self) -> None:
+        """Nothing: the engine is touched only after update_weights has verified everything."""
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> PulsediffUpdateInfo:
+        try:
+            request = parse_update_request(update_dict)
+        except UsageError as exc:
+            raise ValueError(str(exc)) from None
+        return PulsediffUpdateInfo(request.source, request.step, request.trust)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: PulsediffUpdateInfo) -> None:
+        state = self.host_state()
+        cache = Path(self.init_info.cache) if self.init_info.cache else None
+        try:
+            advance = state.advance(update_info.source, update_info.step,
+                                    list(update_info.trust) if update_info.trust else None,
+                                    self.init_info.trust_state, cache)
+        except PulsediffError as exc:  # nothing was written, here or in the engine
+            raise RuntimeError(f"pulsediff: {exc} (the engine keeps its weights)") from None
+        if advance.status == "up-to-date" and not self.engine_stale:
+            return
+        everything = self.engine_stale
+        self.engine_stale = True
+        try:
+            self.load(state, None if everything else advance.changes)
+        except BaseException as exc:
+            raise RuntimeError(f"pulsediff: the engine failed while loading verified weights ({exc}); its weights "
+                               "are now undefined: the next update loads every tensor") from exc
+        self.engine_stale = False
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish: update_weights left the engine complete. The caller sets the weight version."""
+
+    def shutdown(self) -> None:
+        self.state = None
+
+    # -- the host state and the load ---------------------------------------------------------
+
+    def host_state(self) -> HostState:
+        if self.state is None:
+            self.state = load_host_state(model_folder(self.model_config))
+        return self.state
+
+    def in_place_ok(self) -> bool:
+        """Whether the engine's Linear layers compute from their `.weight` (GPU engines, and the CPU
+        backend with unpacked weights): then a write to a parameter is what the next forward uses."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return True
+        plain = torch.nn.functional.linear
+        return all(getattr(m, "cpu_linear", plain) is plain for m in self.model.modules())
+
+    def load(self, state: HostState, changes: dict | None) -> None:
+        """Hand the host state's tensors to the engine: those in `changes` (name -> positions or None),
+        or every one (`changes` None)."""
+        if not self.in_place_ok():
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            self.last_load = "reload"
+            reload_weights(self.vllm_config, self.model, weights_iterator=iter(state.tensors.items()),
+                           weights_path=None, is_checkpoint_format=True)
+            return
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
+
+        self.last_load = "sparse"
+        names = state.tensors if changes is None else changes
+        dense, sparse = [], []
+        for name in names:
+            tensor = state.tensors[name]
+            flat = tensor.reshape(-1)
+            positions = None if changes is None else changes[name]
+            if positions is not None and not len(positions):
+                continue
+            if positions is not None and tensor.is_floating_point():
+                index = torch.from_numpy(positions)
+                values = flat[index]
+                if not torch.isnan(values).any():  # NaN marks "unchanged" in vLLM's sparse loader
+                    sparse.append(CheckpointWeightPatch(name, tuple(tensor.shape), tensor.dtype,
+                                                        values.to(self.device), index.to(self.device)))
+                    continue
+            dense.append(CheckpointWeightPatch(name, tuple(tensor.shape), tensor.dtype, flat.to(self.device)))
+        for group in (sparse, dense):  # one call each: vLLM's loader takes one kind per call
+            if group:
+                load_checkpoint_weight_patches(self.model, group)
+
+
+def model_folder(model_config) -> Path:
+    """The local folder (or file) of the checkpoint the engine was started from. It is only read."""
+    model = str(model_config.model)
+    path = Path(model)
+    if path.exists():
+        return path
+    try:  # a Hugging Face repo id: the snapshot vLLM itself loaded, from the local cache only
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=getattr(model_config, "revision", None), local_files_only=True))
+    except Exception as exc:
+        raise PulsediffError(f"the pulsediff backend needs the model's checkpoint on this machine; {model} is "
+                             f"neither a folder nor in the Hugging Face cache ({exc})") from None
+
+
+def keep_linear_weights_unpacked() -> None:
+    """PULSEDIFF_VLLM_UNPACKED=1 on vLLM's CPU backend: every Linear computes with plain F.linear
+    from its BF16 `.weight` instead of a repacked oneDNN handle, as on a GPU. Slower; it exists so
+    that the GPU engines' in-place (sparse) update can run, and be tested, on a CPU."""
+    from vllm.model_executor.layers import utils
+
+    def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
+def unpacked_requested() -> bool:
+    return os.environ.get(UNPACKED_ENV, "") == "1"

@@ -1,0 +1,28 @@
+"""vLLM's `vllm.general_plugins` entry point: registers the `pulsediff` weight-transfer backend.
+
+vLLM calls `register()` in every process it starts (the API server, the engine core, each
+worker), before it builds the model. Registration is lazy: pulsediff.engines.vllm (and with it
+torch, numba and zstandard) is imported only when an engine is created with
+`weight_transfer_config={"backend": "pulsediff"}`. Importing this module imports nothing of
+pulsediff's but the backend's name, so a vLLM without that config pays nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+BACKEND = "pulsediff"  # pulsediff.engines.vllm.BACKEND, repeated to keep this import free
+UNPACKED_ENV = "PULSEDIFF_VLLM_UNPACKED"  # ditto: pulsediff.engines.vllm.UNPACKED_ENV
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, "pulsediff.engines.vllm", "PulsediffWeightTransferEngine")
+    except ValueError:  # registered already: vLLM may load plugins more than once in a process
+        pass
+    if os.environ.get(UNPACKED_ENV, "") == "1":
+        from pulsediff.engines.vllm import keep_linear_weights_unpacked
+
+        keep_linear_weights_unpacked()
