@@ -20,7 +20,8 @@ import sys
 import typer
 
 from pulsediff.errors import PulsediffError, UsageError, as_out_of_memory
-from pulsediff.cli import apply_cmd, demo_cmd, digest_cmd, keygen_cmd, make_cmd, series_cmds, squash_cmd, stats_cmd
+from pulsediff.cli import (apply_cmd, demo_cmd, digest_cmd, engine_cmds, keygen_cmd, make_cmd, series_cmds, squash_cmd,
+                           stats_cmd)
 from pulsediff.cli.output import restore_terminal
 
 try:  # typer >= 0.20 ships its own copy of click
@@ -43,6 +44,7 @@ app.command("apply", no_args_is_help=True)(apply_cmd.apply)
 app.command("squash", no_args_is_help=True)(squash_cmd.squash)
 app.command("publish", no_args_is_help=True)(series_cmds.publish)
 app.command("catch-up", no_args_is_help=True)(series_cmds.catch_up)
+app.command("vllm-sync", no_args_is_help=True)(engine_cmds.vllm_sync)
 app.command("stats", no_args_is_help=True)(stats_cmd.stats)
 app.command("digest", no_args_is_help=True)(digest_cmd.digest)
 app.command("keygen", no_args_is_help=True)(keygen_cmd.keygen)

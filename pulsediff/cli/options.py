@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -32,3 +33,6 @@ Precision = Annotated[
         "bf16: compare floating tensors after casting both sides to BF16 (FP32 master weights -> BF16 workers).",
     ),
 ]
+TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust: the record of "
+                       "the newest manifest accepted per source (under any key), which an older one may not undercut. "
+                       "Default: $XDG_STATE_HOME/pulsediff/trusted-series.json (~/.local/state/...).")]

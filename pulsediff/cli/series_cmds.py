@@ -9,12 +9,9 @@ import typer
 
 from pulsediff.errors import PulsediffError
 from pulsediff.cli.checks import check_output
-from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet, TrustState
 from pulsediff.cli.output import Output, plural
 
-TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust: the record of "
-                       "the newest manifest accepted per source (under any key), which an older one may not undercut. "
-                       "Default: $XDG_STATE_HOME/pulsediff/trusted-series.json (~/.local/state/...).")]
 
 
 def publish(

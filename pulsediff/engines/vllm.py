@@ -56,6 +56,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from pulsediff.engines.state import HostState, load_host_state, parse_update_request
+from pulsediff.engines.vllm_client import KEPT, UNDEFINED
 from pulsediff.errors import PulsediffError, UsageError
 
 __all__ = ["PulsediffWeightTransferEngine", "PulsediffInitInfo", "PulsediffUpdateInfo", "BACKEND"]
@@ -130,7 +131,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                                     list(update_info.trust) if update_info.trust else None,
                                     self.init_info.trust_state, cache)
         except PulsediffError as exc:  # nothing was written, here or in the engine
-            raise RuntimeError(f"pulsediff: {exc} (the engine keeps its weights)") from None
+            raise RuntimeError(f"pulsediff: {exc} {KEPT}") from None
         if advance.status == "up-to-date" and not self.engine_stale:
             return
         everything = self.engine_stale
@@ -138,8 +139,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         try:
             self.load(state, None if everything else advance.changes)
         except BaseException as exc:
-            raise RuntimeError(f"pulsediff: the engine failed while loading verified weights ({exc}); its weights "
-                               "are now undefined: the next update loads every tensor") from exc
+            raise RuntimeError(f"pulsediff: the engine failed while loading verified weights ({exc}) {UNDEFINED}") from exc
         self.engine_stale = False
 
     def finish_weight_update(self) -> None:

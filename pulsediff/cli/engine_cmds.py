@@ -1,0 +1,56 @@
+"""`pulsediff vllm-sync`: keep a running `vllm serve` at a series' newest step (engines/vllm_client.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from pulsediff.cli.options import Json, Quiet, TrustState
+from pulsediff.cli.output import Output
+from pulsediff.errors import PulsediffError
+
+
+def vllm_sync(
+    server: Annotated[str, typer.Argument(help="The vLLM server's URL, e.g. http://127.0.0.1:8000. It must run with "
+                                          "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                                          "'{\"backend\": \"pulsediff\"}'.")],
+    source: Annotated[str, typer.Argument(help="A published series (a folder, s3://bucket/prefix or http(s):// URL) "
+                                          "or one patch file, as the server's workers can read it.")],
+    step: Annotated[Optional[int], typer.Option("--step", metavar="N", min=0,
+                                                help="Move to this step, not the newest.")] = None,
+    trust: Annotated[Optional[list[str]], typer.Option("--trust", metavar="PUBKEY", help="Take only a series signed by "
+                     "this key (ed25519:..., or a file of them; may be given twice).")] = None,
+    trust_state: TrustState = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Keep following SOURCE: look again every --interval "
+                                        "seconds until interrupted (Ctrl-C).")] = False,
+    interval: Annotated[float, typer.Option("--interval", metavar="SECONDS", min=0.1,
+                                            help="With --watch: seconds between looks.")] = 2.0,
+    quiet: Quiet = False,
+    as_json: Json = False,
+) -> None:
+    """Move a running vLLM server to a step of a series: pause, verified update, caches reset, resume.
+
+    Everything is checked before the server's weights change: a wrong base, a damaged or missing patch, a missing step or a bad signature leave it serving its old weights.
+    """
+    from pulsediff.engines.vllm_client import ServerClient, sync_server
+
+    out = Output(quiet=quiet or as_json, as_json=as_json)
+    client = ServerClient(server)
+    if watch and step is not None:
+        raise PulsediffError("--watch follows the newest step; leave out --step")
+    while True:
+        result = sync_server(server, source, step=step, trust=trust or None, trust_state=trust_state, client=client)
+        if as_json:
+            out.json({"status": result.status, "weight_version": result.version, "before": result.before,
+                      "seconds": round(result.seconds, 3)})
+        elif result.status == "up-to-date":
+            if not watch:
+                out.info(f"{server} is already at step {result.version}")
+        else:
+            out.info(f"{server} is now at step {result.version} (was {result.before or 'unknown'}; "
+                     f"{result.seconds:.2f} s, generation paused meanwhile)")
+        if not watch:
+            return
+        time.sleep(interval)
