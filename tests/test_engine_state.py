@@ -1,0 +1,178 @@
+"""engines/state.py, the engine-independent half of the vLLM backend: the host state moves along a
+series or through a patch file bit for bit, reports exactly the positions it wrote, and refuses
+every bad input before it writes anything. No vLLM needed (tests/test_vllm_engine.py has the
+engine itself)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine_series import make_series, publish
+from pulsediff.engines.state import load_host_state, parse_update_request
+from pulsediff.errors import PulsediffError, UsageError
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-series")
+    train = make_series("qwen2", root, STEPS)
+    return train, publish(train, root / "outbox", "--anchor-every", "2")
+
+
+def step_tensors(train: Path, step: int) -> dict:
+    return load_file(str(train / f"step_{step:06d}" / "model.safetensors"))
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).reshape(-1).numpy()
+
+
+def assert_at(state, train: Path, step: int) -> None:
+    want = step_tensors(train, step)
+    assert set(state.tensors) == set(want)
+    for name, t in want.items():
+        assert np.array_equal(bits(state.tensors[name]), bits(t)), name
+
+
+def snapshot(state) -> tuple[str, dict]:
+    return state.digest, {n: bits(t).copy() for n, t in state.tensors.items()}
+
+
+def assert_unchanged(state, before) -> None:
+    digest, tensors = before
+    assert state.digest == digest
+    for name, b in tensors.items():
+        assert np.array_equal(bits(state.tensors[name]), b), name
+
+
+def test_loads_the_folder_with_the_digest_patches_record(series):
+    from pulsediff.ops.inspect import checkpoint_digest_of
+
+    train, _ = series
+    state = load_host_state(train / "step_000000")
+    assert state.digest == checkpoint_digest_of(train / "step_000000")
+    assert_at(state, train, 0)
+    assert state.nbytes == sum(t.numel() * 2 for t in step_tensors(train, 0).values())
+
+
+def test_moves_along_the_series_and_reports_exactly_the_positions_it_wrote(series):
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    at = 0
+    for step, target in ((1, 1), (None, STEPS)):  # an explicit step, then the newest
+        before = {n: bits(t).copy() for n, t in state.tensors.items()}
+        advance = state.advance(str(outbox), step)
+        assert (advance.status, advance.step, state.step) == ("applied", target, target)
+        assert_at(state, train, target)
+        for name, b in before.items():
+            # The reference: every element that differs now was written, and nothing was written that no
+            # step on the way changed (a chain writes an element a step changed even if a later one undid it).
+            net = np.flatnonzero(b != bits(state.tensors[name]))
+            stepwise = np.unique(np.concatenate([
+                np.flatnonzero(bits(step_tensors(train, k)[name]) != bits(step_tensors(train, k + 1)[name]))
+                for k in range(at, target)]))
+            written = advance.changes.get(name, np.empty(0, np.int64))
+            assert written is None or (np.isin(net, written).all() and np.isin(written, stepwise).all()), name
+            assert np.array_equal(np.unique(written), written), name
+        at = target
+    again = state.advance(str(outbox / "manifest.json"))  # the manifest's path names its series too
+    assert (again.status, again.step, again.changes) == ("up-to-date", STEPS, {})
+
+
+def test_a_lone_patch_file(series):
+    train, outbox = series
+    state = load_host_state(train / "step_000001")
+    advance = state.advance(str(outbox / "patch-00000001-00000002.pulsediff"))
+    assert (advance.status, advance.step) == ("applied", None)
+    assert_at(state, train, 2)
+
+
+def test_a_step_older_than_the_state_goes_back_through_an_anchor(series):
+    train, outbox = series
+    state = load_host_state(train / f"step_{STEPS:06d}")
+    advance = state.advance(str(outbox), 2)
+    assert advance.step == 2
+    assert_at(state, train, 2)
+
+
+def corrupt(path: Path, where: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("bad", ["wrong base", "payload byte", "header byte", "truncated", "missing step",
+                                 "no such file", "unsigned under trust", "reshaped tensor", "anchor of another model"])
+def test_bad_input_is_refused_and_nothing_changes(series, tmp_path, bad):
+    train, outbox = series
+    state = load_host_state(train / "step_000001")
+    before = snapshot(state)
+    patch = tmp_path / "p.pulsediff"
+    shutil.copy(outbox / "patch-00000001-00000002.pulsediff", patch)
+    kwargs = {}
+    source = str(patch)
+    if bad == "wrong base":
+        source = str(outbox / "patch-00000002-00000003.pulsediff")
+    elif bad == "payload byte":
+        corrupt(patch, 0.9)
+    elif bad == "header byte":
+        corrupt(patch, 0.02)
+    elif bad == "truncated":
+        patch.write_bytes(patch.read_bytes()[:-100])
+    elif bad == "missing step":
+        source, kwargs = str(outbox), {"step": 99}
+    elif bad == "no such file":
+        source = str(tmp_path / "nothing.pulsediff")
+    elif bad == "unsigned under trust":
+        pytest.importorskip("cryptography")
+        from pulsediff.series import signing
+
+        public = signing.keygen(tmp_path / "k.key")
+        source, kwargs = str(outbox), {"trust": [public], "trust_state": tmp_path / "state.json"}
+    elif bad in ("reshaped tensor", "anchor of another model"):
+        from pulsediff.ops.make import make_patch
+
+        other = step_tensors(train, 2)
+        if bad == "reshaped tensor":
+            other["model.norm.weight"] = other["model.norm.weight"][:64].clone()
+            make_patch(step_tensors(train, 1), other, patch, force=True)
+        else:  # every tensor carried whole (an anchor's empty base): any base takes it, but not these shapes
+            other = {"w": torch.zeros(4, dtype=torch.bfloat16)}
+            make_patch({}, other, patch, force=True)
+    with pytest.raises(PulsediffError) as info:
+        state.advance(source, **kwargs)
+    assert "\n" not in str(info.value)
+    assert_unchanged(state, before)
+
+
+@pytest.mark.parametrize("info, says", [
+    ("x", "must be an object"),
+    ({}, "needs 'source'"),
+    ({"source": ""}, "'source' must be"),
+    ({"source": 3}, "'source' must be"),
+    ({"source": "a\0b"}, "'source' must be"),
+    ({"source": "s", "step": -1}, "'step'"),
+    ({"source": "s", "step": True}, "'step'"),
+    ({"source": "s", "step": "3"}, "'step'"),
+    ({"source": "s", "step": 1 << 63}, "'step'"),
+    ({"source": "s", "trust": 5}, "'trust'"),
+    ({"source": "s", "trust": []}, "'trust'"),
+    ({"source": "s", "trust": [""]}, "'trust'"),
+    ({"source": "s", "steps": 1}, "unknown key 'steps'"),
+])
+def test_update_requests_are_checked_for_type_and_range(info, says):
+    with pytest.raises(UsageError, match=says):
+        parse_update_request(info)
+
+
+def test_a_good_update_request():
+    request = parse_update_request({"source": "s3://b/run", "step": 7, "trust": "ed25519:abc"})
+    assert (request.source, request.step, request.trust) == ("s3://b/run", 7, ("ed25519:abc",))
