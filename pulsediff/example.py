@@ -27,6 +27,7 @@ touched). Across machines or thread counts the float results may differ.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "make_example_fp32_pair",
     "fp32_path_for",
     "unchanged_fraction",
+    "llama_config",
 ]
 
 # What `pulsediff demo` trains: the default model, with a warm-up of 40 steps at
@@ -209,10 +211,17 @@ def _step(model: TinyDecoder, opt: torch.optim.Optimizer, tokens: torch.Tensor) 
 _METADATA = {"format": "pt"}
 
 
-def _save(model: TinyDecoder, out_dir: Path, step: int, save_fp32: bool) -> Path:
+def _save(model: TinyDecoder, out_dir: Path, step: int, save_fp32: bool, config: dict | None = None) -> Path:
     state = {k: v.detach() for k, v in model.state_dict().items()}
     path = out_dir / STEP_NAME.format(step)
+    if config is not None:  # a Hugging Face model folder: step_N/model.safetensors and config.json
+        path = out_dir / STEP_NAME.format(step).removesuffix(".safetensors")
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        path = path / "model.safetensors"
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(path), metadata=_METADATA)
+    if config is not None:
+        return path.parent
     if save_fp32:
         save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / FP32_STEP_NAME.format(step)),
                   metadata=_METADATA)
@@ -235,6 +244,7 @@ def make_example_series(
     batch: int = 8,
     seq_len: int = 32,
     save_fp32: bool = False,
+    model_folders: bool = False,
     on_step: Callable[[int, int, float], None] | None = None,
 ) -> list[Path]:
     """Train a tiny decoder and save a series of BF16 checkpoints to `out_dir`.
@@ -242,7 +252,10 @@ def make_example_series(
     Writes `step_000000.safetensors` (after the warm-up) and one file per RL
     step after it, `steps + 1` in all, and returns their paths in order. With
     `save_fp32`, also writes the FP32 masters as `step_XXXXXX.fp32.safetensors`
-    next to each (see `fp32_path_for`). `on_step(done, total, loss)` is called
+    next to each (see `fp32_path_for`). With `model_folders`, each step is a
+    Hugging Face model folder `step_XXXXXX/` (model.safetensors and a
+    config.json of `llama_config`) that vLLM and transformers load (`save_fp32`
+    is not taken then). `on_step(done, total, loss)` is called
     after each training step, warm-up and RL steps alike (`total` counts both).
 
     The defaults (~13.8M parameters) take about 65 s on two idle CPU cores
@@ -257,6 +270,9 @@ def make_example_series(
         raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
     # Llama's gated-MLP width, 8/3 of d_model, rounded up to a multiple of 64.
     d_ff = d_ff if d_ff is not None else 64 * math.ceil(8 * d_model / 3 / 64)
+    if model_folders and save_fp32:
+        raise ValueError("save_fp32 writes files beside step files, not into model folders")
+    config = llama_config(vocab, d_model, n_layers, n_heads, d_ff) if model_folders else None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -284,15 +300,26 @@ def make_example_series(
         if on_step is not None:
             on_step(i + 1, warmup_steps + steps, loss)
 
-    paths = [_save(model, out_dir, 0, save_fp32)]
+    paths = [_save(model, out_dir, 0, save_fp32, config)]
     for group, wd in zip(opt.param_groups, (0.01, 0.0)):
         group["lr"], group["weight_decay"] = lr, wd
     for step in range(1, steps + 1):
         loss = _step(model, opt, rl_chain.sample(batch, seq_len + 1, gen))
         if on_step is not None:
             on_step(warmup_steps + step, warmup_steps + steps, loss)
-        paths.append(_save(model, out_dir, step, save_fp32))
+        paths.append(_save(model, out_dir, step, save_fp32, config))
     return paths
+
+
+def llama_config(vocab: int, d_model: int, n_layers: int, n_heads: int, d_ff: int) -> dict:
+    """A Hugging Face config.json for the example's tensors: a LlamaForCausalLM of the same shapes, so
+    that inference engines load the steps. Its forward pass adds rotary position embeddings, which
+    the trainer here does without (RoPE has no weights: the tensors are the same)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+            "hidden_size": d_model, "intermediate_size": d_ff, "num_hidden_layers": n_layers,
+            "num_attention_heads": n_heads, "num_key_value_heads": n_heads, "hidden_act": "silu",
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 
 
 def fp32_path_for(bf16_path: str | Path) -> Path:

@@ -239,3 +239,22 @@ def test_vllm_sync_moves_a_running_server_and_refuses_without_touching_it(qwen2,
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_readme_block_runs_as_written(tmp_path):
+    """README.md's vLLM block, pasted into bash in a fresh folder (its `pip install` line left out: this venv
+    has vLLM): the engine moves through the example series and answers as a fresh engine on the last step."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Straight into a vLLM engine"):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```\n")]
+    lines = [line for line in block.splitlines() if not line.startswith("pip install")]
+    assert len(lines) == len(block.splitlines()) - 1
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("engine at step")]  # amid vLLM's logs
+    assert said == ["engine at step 1", "engine at step 3"]
+    assert "same tokens and logprobs as a fresh engine on step 3" in proc.stdout
