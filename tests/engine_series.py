@@ -29,14 +29,14 @@ SHAPES = {
 }
 
 
-def make_model_folder(kind: str, folder: Path, seed: int = 0) -> Path:
+def make_model_folder(kind: str, folder: Path, seed: int = 0, shape: dict | None = None) -> Path:
     """A randomly initialised BF16 model saved by transformers' save_pretrained (config.json and
-    model.safetensors)."""
+    model.safetensors). `shape` overrides SHAPES[kind]'s config fields."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**SHAPES[kind])).to(torch.bfloat16)
+    model = model_cls(config_cls(**{**SHAPES[kind], **(shape or {})})).to(torch.bfloat16)
     with torch.no_grad():  # biases start at zero: give them values, so that their changes are RL-like too
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -51,7 +51,7 @@ def rl_step(tensors: dict, rng: np.random.Generator, density: float = 0.01) -> d
     for name, t in tensors.items():
         t = t.clone()
         bits = t.view(torch.int16).reshape(-1)
-        pos = torch.from_numpy(rng.choice(bits.numel(), max(1, int(bits.numel() * density)), replace=False))
+        pos = torch.from_numpy(np.flatnonzero(rng.random(bits.numel()) < density))
         magnitude = bits[pos] & 0x7FFF
         pos = pos[(magnitude > 0x007F) & (magnitude < 0x7F00)]  # normal numbers away from infinity
         bits[pos] += torch.from_numpy(rng.choice([-1, 1], pos.numel()).astype(np.int16))
@@ -59,12 +59,12 @@ def rl_step(tensors: dict, rng: np.random.Generator, density: float = 0.01) -> d
     return out
 
 
-def make_series(kind: str, root: Path, steps: int, seed: int = 0) -> Path:
+def make_series(kind: str, root: Path, steps: int, seed: int = 0, shape: dict | None = None) -> Path:
     """root/train/step_00000N/ (model folders) for N in 0..steps; returns root/train."""
     from safetensors.torch import load_file, save_file
 
     train = root / "train"
-    first = make_model_folder(kind, train / "step_000000", seed)
+    first = make_model_folder(kind, train / "step_000000", seed, shape)
     tensors = load_file(str(first / "model.safetensors"))
     rng = np.random.default_rng(seed)
     for step in range(1, steps + 1):

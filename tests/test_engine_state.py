@@ -81,7 +81,7 @@ def test_moves_along_the_series_and_reports_exactly_the_positions_it_wrote(serie
                 for k in range(at, target)]))
             written = advance.changes.get(name, np.empty(0, np.int64))
             assert written is None or (np.isin(net, written).all() and np.isin(written, stepwise).all()), name
-            assert np.array_equal(np.unique(written), written), name
+            assert written is None or np.unique(written).size == written.size, name  # each position once
         at = target
     again = state.advance(str(outbox / "manifest.json"))  # the manifest's path names its series too
     assert (again.status, again.step, again.changes) == ("up-to-date", STEPS, {})

@@ -99,6 +99,18 @@ def main(plan_path: str, result_path: str) -> int:
                 update_llm(llm, **request)
                 seconds.append(time.perf_counter() - t)
             record["seconds"] = seconds
+        elif "timed_apply_reload" in action:  # today's path: `pulsediff apply` to a folder, then reload from it
+            import shutil
+            import subprocess
+
+            job = action["timed_apply_reload"]
+            shutil.rmtree(job["out"], ignore_errors=True)
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "pulsediff", "apply", job["base"], job["patch"], "-o", job["out"],
+                            "-q"], check=True)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": job["out"]})
+            llm.reset_prefix_cache()
+            record["seconds"] = [time.perf_counter() - t]
         elif "timed_reload" in action:
             seconds = []
             for folder in action["timed_reload"]:

@@ -34,8 +34,11 @@ class Advance:
     status: str  # "applied" or "up-to-date"
     step: int | None  # the series' step for the digest reached (None for a lone patch file)
     digest: str  # the digest the state now has
-    changes: dict = field(default_factory=dict)  # name -> sorted flat positions written, or None (whole tensor)
+    changes: dict = field(default_factory=dict)  # name -> flat positions written (each once), or None (whole)
     links: int = 0  # patch files applied
+
+
+NO_SUMS = "carries no word sums"  # apply_to_state_dict's refusal of check="sums" on a patch older than 1.2
 
 
 class HostState:
@@ -57,6 +60,19 @@ class HostState:
         path to its manifest.json), or through the patch file `source` (a path, or a URL ending in
         .pulsediff). Every file is fetched and checked, and every tensor verified, before the first is
         written; on any error the tensors are as they were and PulsediffError says why."""
+        try:
+            return self._advance(source, step, trust, trust_state, cache, "sums")
+        except UsageError as exc:
+            if NO_SUMS not in str(exc):
+                raise
+            # A patch older than format 1.2 in the chain (the tensors were put back): check by digests.
+            return self._advance(source, step, trust, trust_state, cache, "digests")
+
+    def _advance(self, source, step, trust, trust_state, cache, check: str) -> Advance:
+        # check="sums" (FORMAT.md §7.1): the word sums of the base and of each rebuilt tensor, with the
+        # changes located and added in place, 2-3x faster on the CPU than rebuilding every tensor and
+        # hashing it (check="digests"). Each file's own checksums, and under trust its SHA-256, are
+        # checked all the same.
         from pulsediff.ops.live import apply_to_state_dict
 
         kind, where = classify_source(source)
@@ -64,12 +80,12 @@ class HostState:
         if kind == "patch":
             if step is not None or trust is not None:
                 raise UsageError(f"{source} is one patch file: 'step' and 'trust' need a published series")
-            result = apply_to_state_dict(self.tensors, [where], check="digests", changes=changes)
+            result = apply_to_state_dict(self.tensors, [where], check=check, changes=changes)
             self.digest, self.step = result.target_digest, None
             return Advance(result.status, None, result.target_digest, changes, 1)
         from pulsediff.series.catch_up import catch_up_state_dict
 
-        result = catch_up_state_dict(self.tensors, where, check="digests", digest=self.digest, trust=trust,
+        result = catch_up_state_dict(self.tensors, where, check=check, digest=self.digest, trust=trust,
                                      trust_state=trust_state, step=step, changes=changes, cache=cache)
         self.digest, self.step = result.digest, result.step
         return Advance(result.status, result.step, result.digest, changes, result.links)

