@@ -58,8 +58,9 @@ def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[st
     (work / "plan.json").write_text(json.dumps(plan))
     import subprocess
 
-    subprocess.run([sys.executable, str(HERE.parent / "tests" / "vllm_driver.py"), str(work / "plan.json"),
-                    str(work / "result.json")], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(work / "engine.log", "w") as log:  # the backend logs each update's verify-and-decode and load seconds
+        subprocess.run([sys.executable, str(HERE.parent / "tests" / "vllm_driver.py"), str(work / "plan.json"),
+                        str(work / "result.json")], check=True, stdout=log, stderr=subprocess.STDOUT)
     results = json.loads((work / "result.json").read_text())
     times: dict[str, list[float]] = {}
     for record in results[1:]:
@@ -76,7 +77,7 @@ def decode_rounds(train: Path, outbox: Path, rounds: int) -> dict[str, list[floa
     from pulsediff.engines.state import load_host_state
     from pulsediff.ops.live import apply_to_state_dict
 
-    times: dict[str, list[float]] = {"apply_to_state_dict": [], "index_copy_": []}
+    times: dict[str, list[float]] = {"sums": [], "digests": [], "index_copy_": []}
     for r in range(rounds):
         state = load_host_state(train / f"step_{r:06d}")
         target = load_host_state(train / f"step_{r + 1:06d}").tensors
@@ -87,12 +88,13 @@ def decode_rounds(train: Path, outbox: Path, rounds: int) -> dict[str, list[floa
             idx = torch.nonzero(a != b).squeeze(1)
             staged[name] = (idx, t.reshape(-1)[idx].clone())
         patch = (outbox / f"patch-{r:08d}-{r + 1:08d}.pulsediff").read_bytes()
-        for first in (0, 1) if r % 2 == 0 else (1, 0):
+        ways = ["sums", "digests", "index_copy_"]
+        for way in ways[r % 3:] + ways[:r % 3]:
             live = {n: t.clone() for n, t in base.items()}
-            if first == 0:
+            if way != "index_copy_":
                 t0 = time.perf_counter()
-                apply_to_state_dict(live, patch)
-                times["apply_to_state_dict"].append(time.perf_counter() - t0)
+                apply_to_state_dict(live, patch, check=way)
+                times[way].append(time.perf_counter() - t0)
             else:
                 t0 = time.perf_counter()
                 for name, (idx, values) in staged.items():
@@ -108,13 +110,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--work", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny Qwen2 shape: checks the script runs")
     args = ap.parse_args(argv)
     from engine_series import make_series, publish
 
     work = args.work or Path(tempfile.mkdtemp(prefix="pulsediff-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    train = make_series("qwen2", work, args.rounds, shape={**SHAPE, "num_hidden_layers": args.layers})
+    shape = None if args.tiny else {**SHAPE, "num_hidden_layers": args.layers}
+    train = make_series("qwen2", work, args.rounds, shape=shape)
     outbox = publish(train, work / "outbox", "--anchor-every", "1000")
     size = (train / "step_000000" / "model.safetensors").stat().st_size
     print(f"series of {args.rounds + 1} steps ({size / 1e9:.2f} GB each) made in {time.perf_counter() - start:.0f} s",
@@ -132,11 +136,19 @@ def main(argv=None) -> int:
                        ("today", "today's path: `pulsediff apply` to a folder, then reload_weights from it"),
                        ("floor", "floor: reload_weights from the new checkpoint on disk")):
         print(f"| {label} | {med[key]:.3f} s | {med[key] / med['floor']:.2f} |")
-    print(f"\n(engine start: {med['engine start']:.1f} s; pulsediff / today's path: {med['pulsediff'] / med['today']:.2f})\n")
+    split = [line.split("pulsediff: ", 1)[1].strip() for line in (work / "engine.log").read_text().splitlines()
+             if "verified and decoded" in line]
+    print(f"\n(engine start: {med['engine start']:.1f} s; pulsediff / today's path: {med['pulsediff'] / med['today']:.2f}; "
+          "the backend's own log, per update:)\n")
+    for line in split:
+        print(f"    {line}")
+    print()
     print("| decode on host tensors (no engine) | median | ratio to index_copy_ |")
     print("|---|---:|---:|")
-    for key in ("apply_to_state_dict", "index_copy_"):
-        print(f"| {key} | {med[key] * 1e3:.1f} ms | {med[key] / med['index_copy_']:.1f} |")
+    for key, label in (("sums", "`apply_to_state_dict(check=\"sums\")`, as the backend decodes"),
+                       ("digests", "`apply_to_state_dict(check=\"digests\")`, the CPU default"),
+                       ("index_copy_", "torch `index_copy_` of raw int64 indices and BF16 values")):
+        print(f"| {label} | {med[key] * 1e3:.1f} ms | {med[key] / med['index_copy_']:.1f} |")
     return 0
 
 

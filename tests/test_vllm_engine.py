@@ -258,3 +258,13 @@ def test_readme_block_runs_as_written(tmp_path):
     said = [line for line in proc.stdout.splitlines() if line.startswith("engine at step")]  # amid vLLM's logs
     assert said == ["engine at step 1", "engine at step 3"]
     assert "same tokens and logprobs as a fresh engine on step 3" in proc.stdout
+
+
+def test_bench_vllm_runs_and_reports_every_row(tmp_path):
+    """scripts/bench_vllm.py on the tiny shape: every path and every decode row is timed (the timings mean nothing)."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "bench_vllm.py"), "--tiny",
+                           "--rounds", "2", "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for row in ("| pulsediff backend", "| today's path", "| floor", "as the backend decodes", "| torch `index_copy_`"):
+        assert row in proc.stdout, row
+    assert proc.stdout.count("verified and decoded") == 2
