@@ -120,7 +120,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         try:
             request = parse_update_request(update_dict)
         except UsageError as exc:
-            raise ValueError(str(exc)) from None
+            raise ValueError(f"pulsediff: {exc} {KEPT}") from None
         return PulsediffUpdateInfo(request.source, request.step, request.trust)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -129,15 +129,16 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: PulsediffUpdateInfo) -> None:
-        state = self.host_state()
         cache = Path(self.init_info.cache) if self.init_info.cache else None
         start = time.perf_counter()
         try:
+            state = self.host_state()
             advance = state.advance(update_info.source, update_info.step,
                                     list(update_info.trust) if update_info.trust else None,
                                     self.init_info.trust_state, cache)
-        except PulsediffError as exc:  # nothing was written, here or in the engine
-            raise RuntimeError(f"pulsediff: {exc} {KEPT}") from None
+        except Exception as exc:  # the host state was put back, and the engine was not touched
+            what = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(f"pulsediff: {what} {KEPT}") from None
         if advance.status == "up-to-date" and not self.engine_stale:
             return
         verified = time.perf_counter()
