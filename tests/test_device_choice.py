@@ -8,8 +8,10 @@ The failures are forced by making numba-cuda's `to_device` raise the driver's ow
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -227,19 +229,25 @@ def test_first_make_on_a_cold_cache_says_it_compiles(tmp_path):
     for k in range(2):
         out = tmp_path / f"p{k}"
         master, slave = pty.openpty()
-        proc = subprocess.run([sys.executable, "-m", "pulsediff", "make", str(old), str(new), "-o", str(out)],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave, env=env, timeout=600)
+        proc = subprocess.Popen([sys.executable, "-m", "pulsediff", "make", str(old), str(new), "-o", str(out)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave, env=env)
         os.close(slave)
+        # Read while the child runs: its progress redraws can fill the pty's buffer (a few KB), and a child
+        # that cannot write blocks until someone reads (issue 33: this test once hung for 600 s).
         chunks = []
-        while True:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1.0)[0]:
+                continue
             try:
                 chunk = os.read(master, 65536)
-            except OSError:
+            except OSError:  # EIO: the child closed its end
                 break
             if not chunk:
                 break
             chunks.append(chunk)
         os.close(master)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         assert proc.returncode == 0
         said.append(b"".join(chunks).decode(errors="replace"))
     assert said[0].count("compiling CPU kernels") == 1, said[0]

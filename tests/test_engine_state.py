@@ -166,6 +166,7 @@ def test_bad_input_is_refused_and_nothing_changes(series, tmp_path, bad):
     ({"source": "s", "trust": 5}, "'trust'"),
     ({"source": "s", "trust": []}, "'trust'"),
     ({"source": "s", "trust": [""]}, "'trust'"),
+    ({"source": "s", "trust": "/etc/passwd"}, "'trust'"),  # a file would be read on the engine's machine
     ({"source": "s", "steps": 1}, "unknown key 'steps'"),
 ])
 def test_update_requests_are_checked_for_type_and_range(info, says):
@@ -176,3 +177,27 @@ def test_update_requests_are_checked_for_type_and_range(info, says):
 def test_a_good_update_request():
     request = parse_update_request({"source": "s3://b/run", "step": 7, "trust": "ed25519:abc"})
     assert (request.source, request.step, request.trust) == ("s3://b/run", 7, ("ed25519:abc",))
+
+
+def test_a_series_and_a_patch_url_over_http(series, tmp_path):
+    """The same over a real HTTP server (rclone's, on 127.0.0.1): a series URL, then one patch's URL; a
+    patch URL that is not there is one line, and nothing changes."""
+    pytest.importorskip("obstore")
+    from test_remote import Server
+
+    train, outbox = series
+    server = Server("http", outbox.parent)  # serves the folder holding outbox/
+    try:
+        state = load_host_state(train / "step_000000")
+        advance = state.advance(f"{server.url}/{outbox.name}", 2, cache=tmp_path / "cache")
+        assert (advance.status, advance.step) == ("applied", 2)
+        assert_at(state, train, 2)
+        state.advance(f"{server.url}/{outbox.name}/patch-00000002-00000003.pulsediff")
+        assert_at(state, train, 3)
+        before = snapshot(state)
+        with pytest.raises(PulsediffError, match="not found") as info:
+            state.advance(f"{server.url}/{outbox.name}/patch-00000003-00000004.pulsediff")
+        assert "\n" not in str(info.value)
+        assert_unchanged(state, before)
+    finally:
+        server.kill()

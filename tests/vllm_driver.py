@@ -4,7 +4,7 @@ keeps each engine's 3 GB and its threads out of pytest.
 
     python tests/vllm_driver.py PLAN.json RESULT.json
 
-PLAN: {"model": DIR, "backend": "pulsediff" or null, "actions": [...]}; each action is one of
+PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "actions": [...]}; each action is one of
   {"observe": LABEL}                    record the weights' fingerprints and a greedy generation
   {"update": {source, step?, trust?}}   pulsediff.engines.vllm_client.update_llm; its error, if any, is recorded
   {"reload": DIR}                       vLLM's own reload_weights from a checkpoint on disk (the reference)
@@ -66,6 +66,9 @@ def main(plan_path: str, result_path: str) -> int:
 
         extra["weight_transfer_config"] = WeightTransferConfig(backend=plan["backend"])
     start = time.perf_counter()
+    if plan.get("tp", 1) > 1:
+        extra["tensor_parallel_size"] = plan["tp"]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(plan["tp"]))
     llm = LLM(model=plan["model"], dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
               seed=0, **extra)
     started = time.perf_counter() - start
@@ -81,7 +84,7 @@ def main(plan_path: str, result_path: str) -> int:
         record: dict = {"action": action}
         if "observe" in action:
             generate()  # the prompt's KV is now in the prefix cache: an update must not leave it there
-            record.update(generation=generate(), weights=llm.collective_rpc(fingerprints)[0],
+            record.update(generation=generate(), weights=llm.collective_rpc(fingerprints),  # one dict per rank
                           checksums=llm.collective_rpc("compute_weight_checksums")[0],  # as /weight_checker reports
                           version=llm.get_weight_version())
         elif "update" in action:

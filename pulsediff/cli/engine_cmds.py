@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from pulsediff.cli.options import Json, Quiet, TrustState
+from pulsediff.cli.options import Json, Quiet
 from pulsediff.cli.output import Output
-from pulsediff.errors import PulsediffError
+from pulsediff.errors import UsageError
 
 
 def vllm_sync(
@@ -17,12 +17,13 @@ def vllm_sync(
                                           "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
                                           "'{\"backend\": \"pulsediff\"}'.")],
     source: Annotated[str, typer.Argument(help="A published series (a folder, s3://bucket/prefix or http(s):// URL) "
-                                          "or one patch file, as the server's workers can read it.")],
+                                          "or one patch file, readable both here and by the server's workers "
+                                          "(the same path, or a URL).")],
     step: Annotated[Optional[int], typer.Option("--step", metavar="N", min=0,
                                                 help="Move to this step, not the newest.")] = None,
     trust: Annotated[Optional[list[str]], typer.Option("--trust", metavar="PUBKEY", help="Take only a series signed by "
-                     "this key (ed25519:..., or a file of them; may be given twice).")] = None,
-    trust_state: TrustState = None,
+                     "this key (ed25519:..., or a file of them, read here; may be given twice). The server's own "
+                     "PULSEDIFF_VLLM_TRUST, if set, decides.")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Keep following SOURCE: look again every --interval "
                                         "seconds until interrupted (Ctrl-C).")] = False,
     interval: Annotated[float, typer.Option("--interval", metavar="SECONDS", min=0.1,
@@ -39,18 +40,23 @@ def vllm_sync(
     out = Output(quiet=quiet or as_json, as_json=as_json)
     client = ServerClient(server)
     if watch and step is not None:
-        raise PulsediffError("--watch follows the newest step; leave out --step")
+        raise UsageError("--watch follows the newest step; leave out --step")
     while True:
-        result = sync_server(server, source, step=step, trust=trust or None, trust_state=trust_state, client=client)
+        result = sync_server(server, source, step=step, trust=trust or None, client=client)
         if as_json:
             out.json({"status": result.status, "weight_version": result.version, "before": result.before,
                       "seconds": round(result.seconds, 3)})
         elif result.status == "up-to-date":
             if not watch:
-                out.info(f"{server} is already at step {result.version}")
+                out.info(f"{server} is already at {_shown(result.version)}")
         else:
-            out.info(f"{server} is now at step {result.version} (was {result.before or 'unknown'}; "
+            out.info(f"{server} is now at {_shown(result.version)} (was {result.before or 'unknown'}; "
                      f"{result.seconds:.2f} s, generation paused meanwhile)")
         if not watch:
             return
         time.sleep(interval)
+
+
+def _shown(version: str) -> str:
+    """A weight version as the user reads it: "step 12", or a patch's target digest as it is."""
+    return f"step {version}" if version.isdigit() else version

@@ -6,5 +6,6 @@
 - vllm.py: the vLLM weight-transfer backend (worker side), registered by vllm_plugin.py.
 - vllm_client.py: drives a running `vllm serve` over its HTTP routes (`pulsediff vllm-sync`).
 
-vLLM is imported in vllm.py alone, and only when vLLM itself creates the backend.
+vLLM is imported in vllm.py, when vLLM itself creates the backend, and by vllm_plugin.register, which
+vLLM calls; nothing else here imports it.
 """

@@ -60,29 +60,33 @@ class HostState:
         path to its manifest.json), or through the patch file `source` (a path, or a URL ending in
         .pulsediff). Every file is fetched and checked, and every tensor verified, before the first is
         written; on any error the tensors are as they were and PulsediffError says why."""
+        kind, where = classify_source(source)
+        check_request_fits(kind, source, step, trust)
+        if kind == "patch":
+            if is_url(where):  # fetched once, for both checks below
+                where = fetch_patch_url(where, limit=2 * self.nbytes + (1 << 20))
         try:
-            return self._advance(source, step, trust, trust_state, cache, "sums")
+            return self._advance(kind, where, step, trust, trust_state, cache, "sums")
         except UsageError as exc:
             if NO_SUMS not in str(exc):
                 raise
             # A patch older than format 1.2 in the chain (the tensors were put back): check by digests.
-            return self._advance(source, step, trust, trust_state, cache, "digests")
+            return self._advance(kind, where, step, trust, trust_state, cache, "digests")
 
-    def _advance(self, source, step, trust, trust_state, cache, check: str) -> Advance:
+    def _advance(self, kind, where, step, trust, trust_state, cache, check: str) -> Advance:
         # check="sums" (FORMAT.md §7.1): the word sums of the base and of each rebuilt tensor, with the
         # changes located and added in place, 2-3x faster on the CPU than rebuilding every tensor and
         # hashing it (check="digests"). Each file's own checksums, and under trust its SHA-256, are
         # checked all the same.
         from pulsediff.ops.live import apply_to_state_dict
 
-        kind, where = classify_source(source)
         changes: dict = {}
         if kind == "patch":
-            if step is not None or trust is not None:
-                raise UsageError(f"{source} is one patch file: 'step' and 'trust' need a published series")
             result = apply_to_state_dict(self.tensors, [where], check=check, changes=changes)
-            self.digest, self.step = result.target_digest, None
-            return Advance(result.status, None, result.target_digest, changes, 1)
+            self.digest = result.target_digest
+            if result.status == "applied":
+                self.step = None  # a lone patch names no step
+            return Advance(result.status, self.step, result.target_digest, changes, 1)
         from pulsediff.series.catch_up import catch_up_state_dict
 
         result = catch_up_state_dict(self.tensors, where, check=check, digest=self.digest, trust=trust,
@@ -91,15 +95,27 @@ class HostState:
         return Advance(result.status, result.step, result.digest, changes, result.links)
 
 
-def classify_source(source: str) -> tuple[str, "str | bytes"]:
-    """("patch", a local path or the bytes of a fetched patch URL) or ("series", what open_store takes)."""
-    if not isinstance(source, str) or not source:
-        raise UsageError(f"'source' must be a non-empty string (a patch file, a series folder or URL), not {source!r}")
+def check_request_fits(kind: str, source: str, step, trust) -> None:
+    if kind == "patch" and (step is not None or trust):
+        raise UsageError(f"{source} is one patch file: a step and trusted keys need a published series")
+
+
+def is_url(source: str) -> bool:
     from pulsediff.series.remote import is_remote
 
-    if is_remote(source):
+    return is_remote(source)
+
+
+def classify_source(source: str) -> tuple[str, str]:
+    """("patch", a local path or a patch URL) or ("series", what open_store takes). Reads nothing
+    remote."""
+    if not isinstance(source, str) or not source:
+        raise UsageError(f"'source' must be a non-empty string (a patch file, a series folder or URL), not {source!r}")
+    if is_url(source):
         if source.split("?", 1)[0].endswith(".pulsediff"):
-            return "patch", fetch_patch_url(source)
+            if "?" in source:
+                raise UsageError(f"{source}: a patch URL with a query string is not supported; publish a series")
+            return "patch", source
         return "series", source.rstrip("/")
     path = Path(source)
     if path.name == "manifest.json":
@@ -111,17 +127,17 @@ def classify_source(source: str) -> tuple[str, "str | bytes"]:
     raise PulsediffError(f"{source}: no such patch file or series folder")
 
 
-MAX_PATCH_URL_BYTES = 64 << 30
+def fetch_patch_url(url: str, limit: int) -> bytes:
+    """The bytes of one patch file over HTTP(S) or S3, at most `limit` (its own checksums are checked
+    when it is read)."""
+    from urllib.parse import unquote
 
-
-def fetch_patch_url(url: str) -> bytes:
-    """The bytes of one patch file over HTTP(S) or S3 (its own checksums are checked when it is read)."""
     from pulsediff.series.remote import open_store
 
-    parent, _, name = url.split("?", 1)[0].rpartition("/")
+    parent, _, name = url.rpartition("/")
     store = open_store(parent + "/")
     try:
-        return store.read_object(name, MAX_PATCH_URL_BYTES)
+        return store.read_object(unquote(name), limit)
     finally:
         store.close()
 
@@ -152,6 +168,7 @@ def load_host_state(folder: str | os.PathLike) -> HostState:
 # -- the request an engine's update takes ---------------------------------------------------------
 
 UPDATE_KEYS = ("source", "step", "trust")
+KEY_PREFIX = "ed25519:"  # signing.KEY_PREFIX (not imported: that module needs cryptography)
 
 
 @dataclass(frozen=True)
@@ -180,7 +197,9 @@ def parse_update_request(info) -> UpdateRequest:
     trust = info.get("trust")
     if trust is not None:
         keys = [trust] if isinstance(trust, str) else trust
-        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
-            raise UsageError("update_info 'trust' must be a public key (or a file of them) or a list of them")
+        # Keys inline only: a request names no file on the engine's machine (one would be read there).
+        if not isinstance(keys, list) or not keys or not all(
+                isinstance(k, str) and k.startswith(KEY_PREFIX) and len(k) < 200 for k in keys):
+            raise UsageError(f"update_info 'trust' must be a public key ({KEY_PREFIX}...) or a list of them")
         trust = tuple(keys)
     return UpdateRequest(source, step, trust)

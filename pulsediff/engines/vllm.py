@@ -60,21 +60,22 @@ from vllm.logger import init_logger
 
 from pulsediff.engines.state import HostState, load_host_state, parse_update_request
 from pulsediff.engines.vllm_client import KEPT, UNDEFINED
+from pulsediff.engines.vllm_plugin import BACKEND, UNPACKED_ENV  # noqa: F401 (public here too)
 from pulsediff.errors import PulsediffError, UsageError
 
 __all__ = ["PulsediffWeightTransferEngine", "PulsediffInitInfo", "PulsediffUpdateInfo", "BACKEND"]
 
+TRUST_ENV = "PULSEDIFF_VLLM_TRUST"  # public keys (ed25519:... or files of them, comma-separated)
+TRUST_STATE_ENV = "PULSEDIFF_VLLM_TRUST_STATE"  # the rollback record (default: signing.default_state_file())
+CACHE_ENV = "PULSEDIFF_VLLM_CACHE"  # where remote series' files are fetched (default: remote.default_cache)
 logger = init_logger("vllm.pulsediff")  # under vLLM's logger: its handlers print it
-BACKEND = "pulsediff"
-UNPACKED_ENV = "PULSEDIFF_VLLM_UNPACKED"
 
 
 @dataclass
 class PulsediffInitInfo(WeightTransferInitInfo):
-    """init_weight_transfer_engine's init_info: every field optional."""
-
-    trust_state: str | None = None  # where a signed series' rollback record is kept (signing.default_state_file)
-    cache: str | None = None  # where remote series' files are fetched (remote.default_cache)
+    """init_weight_transfer_engine's init_info: empty. What a request may not choose (the keys a series
+    must be signed by, the rollback record, the download cache) is the operator's, set in the engine's
+    environment: PULSEDIFF_VLLM_TRUST, PULSEDIFF_VLLM_TRUST_STATE, PULSEDIFF_VLLM_CACHE."""
 
 
 @dataclass
@@ -93,7 +94,6 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.init_info = PulsediffInitInfo()
         self.state: HostState | None = None
         self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
@@ -102,15 +102,12 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
     # -- the four calls -----------------------------------------------------------------------
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> PulsediffInitInfo:
-        if not isinstance(init_dict, dict) or set(init_dict) - {"trust_state", "cache"}:
-            raise ValueError("init_info for the pulsediff backend takes only 'trust_state' and 'cache'")
-        for key, value in init_dict.items():
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"init_info {key!r} must be a path string")
-        return PulsediffInitInfo(**init_dict)
+        if init_dict not in ({}, None):
+            raise ValueError(f"pulsediff: init_info takes nothing (the operator sets {TRUST_ENV}, {TRUST_STATE_ENV} "
+                             f"and {CACHE_ENV} in the engine's environment) {KEPT}")
+        return PulsediffInitInfo()
 
     def init_transfer_engine(self, init_info: PulsediffInitInfo) -> None:
-        self.init_info = init_info
         self.host_state()  # read the checkpoint now rather than on the first update's critical path
 
     def start_weight_update(self) -> None:
@@ -129,13 +126,14 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: PulsediffUpdateInfo) -> None:
-        cache = Path(self.init_info.cache) if self.init_info.cache else None
+        cache = os.environ.get(CACHE_ENV) or None
+        # The operator's keys, when set, decide: a request cannot drop them (nor take a lone patch file).
+        trust = os.environ.get(TRUST_ENV, "").split(",") if os.environ.get(TRUST_ENV) else update_info.trust
         start = time.perf_counter()
         try:
             state = self.host_state()
-            advance = state.advance(update_info.source, update_info.step,
-                                    list(update_info.trust) if update_info.trust else None,
-                                    self.init_info.trust_state, cache)
+            advance = state.advance(update_info.source, update_info.step, list(trust) if trust else None,
+                                    os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None)
         except Exception as exc:  # the host state was put back, and the engine was not touched
             what = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
             raise RuntimeError(f"pulsediff: {what} {KEPT}") from None
@@ -158,20 +156,30 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         """Nothing to finish: update_weights left the engine complete. The caller sets the weight version."""
 
     def shutdown(self) -> None:
-        self.state = None
+        """vLLM's shutdown_weight_transfer_engine releases a trainer connection; the engine goes on serving.
+        The host state is kept: it is the engine's weights, which a reload from the model folder is not."""
 
     # -- the host state and the load ---------------------------------------------------------
 
     def host_state(self) -> HostState:
         if self.state is None:
-            self.state = load_host_state(model_folder(self.model_config))
+            # The engine was started from this folder: its weights are these tensors (a change made to
+            # them another way, such as vLLM's reload_weights, is not seen here).
+            self.state = load_host_state(model_folder(self.model_config, self.vllm_config.load_config))
         return self.state
 
     def in_place_ok(self) -> bool:
-        """Whether the engine's Linear layers compute from their `.weight` (GPU engines, and the CPU
-        backend with unpacked weights): then a write to a parameter is what the next forward uses."""
+        """Whether a write to a parameter is what the next forward pass uses, so that only the changed
+        elements need to go in (the sparse path). Not where vLLM transforms weights after loading them:
+        quantized models (repacked, scaled), MLA attention (derived matrices), MoE layers (reshuffled
+        for their kernels), and the CPU backend's Linear layers unless unpacked (oneDNN handles): there
+        every tensor goes through the layerwise reload, which runs that processing again."""
         from vllm.platforms import current_platform
 
+        if getattr(self.model_config, "quantization", None) or getattr(self.model_config, "use_mla", False):
+            return False
+        if any("MoE" in type(m).__name__ for m in self.model.modules()):
+            return False
         if not current_platform.is_cpu():
             return True
         plain = torch.nn.functional.linear
@@ -193,29 +201,59 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         )
 
         self.last_load = "sparse"
-        names = state.tensors if changes is None else changes
-        dense, sparse = [], []
-        for name in names:
+        sparse, dense = [], []
+        for name in state.tensors if changes is None else changes:
             tensor = state.tensors[name]
-            flat = tensor.reshape(-1)
             positions = None if changes is None else changes[name]
             if positions is not None and not len(positions):
                 continue
-            if positions is not None and tensor.is_floating_point():
+            flat = tensor.reshape(-1)
+            if positions is not None and tensor.dtype in SPARSE_DTYPES:
                 index = torch.from_numpy(positions)
-                values = flat[index]
+                values = flat[index]  # a copy: nothing the engine keeps aliases the host state
                 if not torch.isnan(values).any():  # NaN marks "unchanged" in vLLM's sparse loader
-                    sparse.append(CheckpointWeightPatch(name, tuple(tensor.shape), tensor.dtype,
-                                                        values.to(self.device), index.to(self.device)))
+                    sparse.append(CheckpointWeightPatch(name, tuple(tensor.shape), tensor.dtype, values, index))
                     continue
-            dense.append(CheckpointWeightPatch(name, tuple(tensor.shape), tensor.dtype, flat.to(self.device)))
-        for group in (sparse, dense):  # one call each: vLLM's loader takes one kind per call
-            if group:
-                load_checkpoint_weight_patches(self.model, group)
+            dense.append(CheckpointWeightPatch(name, tuple(tensor.shape), tensor.dtype, flat.clone()))
+        # One kind per call (vLLM's rule), and batches of at most STAGING_BYTES of checkpoint tensors: the
+        # sparse loader stages a full NaN-filled tensor per patch where its values are, so the values go to
+        # the device one batch at a time.
+        for group in (sparse, dense):
+            for batch in _batches(group):
+                on_device = [p._replace(values=p.values.to(self.device), indices=None if p.indices is None
+                                        else p.indices.to(self.device)) for p in batch]
+                load_checkpoint_weight_patches(self.model, on_device, max_chunk_bytes=STAGING_BYTES)
 
 
-def model_folder(model_config) -> Path:
-    """The local folder (or file) of the checkpoint the engine was started from. It is only read."""
+SPARSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # NaN exists and torch.isnan works everywhere
+STAGING_BYTES = 512 << 20
+
+
+def _batches(patches: list) -> list[list]:
+    """Consecutive runs of patches whose full checkpoint tensors add up to at most STAGING_BYTES (a larger
+    tensor alone)."""
+    out, run, size = [], [], 0
+    for p in patches:
+        nbytes = p.values.element_size() * int(torch.Size(p.shape).numel())
+        if run and size + nbytes > STAGING_BYTES:
+            out.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    return out + ([run] if run else [])
+
+
+def model_folder(model_config, load_config=None) -> Path:
+    """The local folder (or file) of the checkpoint the engine was started from. It is only read.
+    Refused where the engine's weights are not that checkpoint's tensors as stored (dummy weights, GGUF,
+    bitsandbytes, weights from elsewhere): patches are decoded against those tensors."""
+    load_format = str(getattr(load_config, "load_format", "auto") or "auto").lower()
+    if load_format not in ("auto", "safetensors"):
+        raise PulsediffError(f"the pulsediff backend needs an engine loaded from safetensors (load_format "
+                             f"'auto' or 'safetensors'), not '{load_format}'")
+    if getattr(model_config, "model_weights", ""):
+        raise PulsediffError("the pulsediff backend needs the engine's weights from its model folder, not from "
+                             f"model_weights={model_config.model_weights!r}")
     model = str(model_config.model)
     path = Path(model)
     if path.exists():
@@ -240,6 +278,3 @@ def keep_linear_weights_unpacked() -> None:
 
     utils.dispatch_cpu_unquantized_gemm = plain_linear
 
-
-def unpacked_requested() -> bool:
-    return os.environ.get(UNPACKED_ENV, "") == "1"

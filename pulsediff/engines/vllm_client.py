@@ -20,6 +20,7 @@ only calls methods of the `llm` it is given, and the HTTP client is the standard
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -43,24 +44,26 @@ class Target:
 def resolve_target(source: str, step: int | None = None, trust=None, trust_state=None) -> Target:
     """Where `source` leads: for a series, `step` or its newest step, with the manifest read (and its
     signature checked under `trust`) here, so that a missing step is refused before the engine is
-    asked; for a patch file, its target digest."""
-    from pulsediff.engines.state import parse_update_request
+    asked; for a patch file, its target digest. The source must be readable here as well as by the
+    engine's workers (the same path, or a URL). `trust` (keys or files of them) is sent as the keys."""
+    from pulsediff.engines.state import check_request_fits, classify_source, is_url, parse_update_request
 
-    request = {"source": source}
+    request: dict = {"source": source}
     if step is not None:
         request["step"] = step
     if trust:
-        request["trust"] = [trust] if isinstance(trust, str) else list(trust)
+        from pulsediff.series.signing import trusted_keys
+
+        request["trust"] = list(trusted_keys(trust))  # files are read here: the workers take keys only
     parse_update_request(request)  # the same checks the workers make
-    kind, where = _source_kind(source)
+    kind, where = classify_source(source)
+    check_request_fits(kind, source, step, trust)
     if kind == "patch":
-        if step is not None or trust:
-            raise UsageError(f"{source} is one patch file: --step and --trust need a published series")
+        if is_url(where):  # not fetched here: the workers fetch it
+            return Target(None, Path(urllib.parse.urlsplit(where).path).name, request)
         from pulsediff.format.patch_file import read_patch_header
 
-        digest = read_patch_header(where).target_digest if isinstance(where, Path) else None
-        version = digest or Path(urllib.parse.urlsplit(source).path).name
-        return Target(None, version, request)
+        return Target(None, read_patch_header(where).target_digest, request)
     from pulsediff.errors import CheckpointNotFoundError
     from pulsediff.series.catch_up import read_source_manifest, step_entry
     from pulsediff.series.remote import open_store
@@ -78,28 +81,19 @@ def resolve_target(source: str, step: int | None = None, trust=None, trust_state
     return Target(entry.step, str(entry.step), request)
 
 
-def _source_kind(source: str) -> tuple[str, "str | Path"]:
-    """Like engines.state.classify_source, without fetching a patch URL."""
-    from pulsediff.series.remote import is_remote
-
-    if is_remote(source):
-        return ("patch", source) if source.split("?", 1)[0].endswith(".pulsediff") else ("series", source.rstrip("/"))
-    path = Path(source)
-    if path.name == "manifest.json":
-        return "series", str(path.parent)
-    if path.is_dir():
-        return "series", source
-    if path.is_file():
-        return "patch", path
-    raise PulsediffError(f"{source}: no such patch file or series folder")
-
-
 def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_state=None) -> Target:
     """Move an offline `vllm.LLM` (backend "pulsediff") to `step` of `source`; returns where it went.
-    On an error nothing changed: the engine keeps its weights and its weight version."""
+    A refused update leaves the engine's weights and weight version as they were; an engine that failed
+    while loading verified weights gets the weight version "undefined" (the next update loads every
+    tensor)."""
     target = resolve_target(source, step, trust, trust_state)
     llm.start_weight_update()
-    llm.update_weights({"update_info": target.request})  # a worker that refuses leaves its session closed
+    try:
+        llm.update_weights({"update_info": target.request})  # a worker that refuses leaves its session closed
+    except Exception as exc:
+        if UNDEFINED in str(exc):
+            llm.update_weight_version(UNDEFINED_VERSION)
+        raise
     llm.finish_weight_update(weight_version=target.version)
     llm.reset_prefix_cache()
     return target
@@ -110,40 +104,49 @@ def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_s
 # How engines/vllm.py ends its one line, so that it can be cut out of vLLM's wrapping of a worker error.
 KEPT = "(the engine keeps its weights)"
 UNDEFINED = "(the engine's weights are undefined: the next update loads every tensor)"
+UNDEFINED_VERSION = "undefined"  # the weight version of an engine whose load failed part-way
 ROUTES_HINT = ("start it with VLLM_SERVER_DEV_MODE=1 (which enables vLLM's weight-transfer routes) and "
                "--weight-transfer-config '{\"backend\": \"pulsediff\"}'")
+
+
+class ServerTimeout(PulsediffError):
+    """A route that did not answer in time: the server may still be at work."""
 
 
 class ServerClient:
     """vLLM's weight-transfer routes (vllm/entrypoints/rl/online/api_router.py) over HTTP."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise UsageError(f"{url}: the server is an http:// or https:// URL, e.g. http://127.0.0.1:8000")
         self.url = url.rstrip("/")
-        self.timeout = timeout
 
-    def call(self, method: str, route: str, body: dict | None = None, query: dict | None = None) -> dict:
+    def call(self, method: str, route: str, body: dict | None = None, query: dict | None = None,
+             timeout: float | None = 60.0) -> dict:
+        """One route; its JSON answer (an object, else {}). `timeout` None: wait as long as it takes."""
         url = self.url + route + ("?" + urllib.parse.urlencode(query) if query else "")
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(url, data=data, method=method,
                                          headers={"Content-Type": "application/json"} if data else {})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 raw = response.read(1 << 20)
         except urllib.error.HTTPError as exc:
             detail = _detail(exc.read(1 << 16))
             if exc.code == 404:
                 raise PulsediffError(f"{self.url} has no {route} route: {ROUTES_HINT}") from None
             raise PulsediffError(f"{route} failed ({exc.code}){': ' + detail if detail else ''}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
+            reason = getattr(exc, "reason", None) or exc
+            if isinstance(reason, TimeoutError):
+                raise ServerTimeout(f"the vLLM server at {self.url} did not answer {route} in {timeout:.0f} s") from None
             raise PulsediffError(f"cannot reach the vLLM server at {self.url} ({reason})") from None
         try:
-            return json.loads(raw) if raw else {}
+            answer = json.loads(raw) if raw else {}
         except ValueError:
             return {}
+        return answer if isinstance(answer, dict) else {}
 
     def weight_version(self) -> str:
         version = self.call("GET", "/weight_info").get("weight_version")
@@ -184,7 +187,7 @@ class SyncResult:
 
 
 def sync_server(url: str, source: str, *, step: int | None = None, trust=None, trust_state=None,
-                init: dict | None = None, client: ServerClient | None = None) -> SyncResult:
+                client: ServerClient | None = None) -> SyncResult:
     """Move a running `vllm serve` to `step` (default: the newest) of `source`. The server's
     generation is paused (in-flight requests finish first, caches cleared) for the update, and
     resumed whatever happens; a refused update leaves the engine serving its old weights."""
@@ -194,13 +197,24 @@ def sync_server(url: str, source: str, *, step: int | None = None, trust=None, t
     if before == target.version:
         return SyncResult("up-to-date", before, before, 0.0)
     start = time.perf_counter()
-    client.call("POST", "/init_weight_transfer_engine", {"init_info": init or {}})
-    client.call("POST", "/pause", query={"mode": "wait", "clear_cache": "true"})
+    # No time limit on pausing (in-flight requests finish first) nor on the update (it may fetch an anchor):
+    # resuming while the workers still write would serve half-written weights.
     try:
+        client.call("POST", "/pause", query={"mode": "wait", "clear_cache": "true"}, timeout=None)
         client.call("POST", "/start_weight_update")
-        client.call("POST", "/update_weights", {"update_info": target.request})
+        try:
+            client.call("POST", "/update_weights", {"update_info": target.request}, timeout=None)
+        except PulsediffError as exc:
+            if UNDEFINED in str(exc):
+                client.call("POST", "/update_weight_version", {"new_version": UNDEFINED_VERSION})
+            raise
         client.call("POST", "/finish_weight_update", {"weight_version": target.version})
         client.reset_prefix_cache()
-    finally:
-        client.call("POST", "/resume")
+    except BaseException as exc:
+        try:
+            client.call("POST", "/resume")
+        except PulsediffError as also:  # say both: the update's error first
+            raise PulsediffError(f"{exc}; and the server could not be resumed: {also}") from None
+        raise
+    client.call("POST", "/resume")
     return SyncResult("updated", target.version, before, time.perf_counter() - start)

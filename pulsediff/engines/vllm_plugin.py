@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import os
 
-BACKEND = "pulsediff"  # pulsediff.engines.vllm.BACKEND, repeated to keep this import free
-UNPACKED_ENV = "PULSEDIFF_VLLM_UNPACKED"  # ditto: pulsediff.engines.vllm.UNPACKED_ENV
+BACKEND = "pulsediff"
+UNPACKED_ENV = "PULSEDIFF_VLLM_UNPACKED"
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError as exc:  # a vLLM without weight-transfer backends: never stop it from starting
+        import logging
 
+        logging.getLogger("vllm.pulsediff").warning("pulsediff: this vLLM has no weight-transfer backends (%s); "
+                                                    "the pulsediff backend is not registered", exc)
+        return
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, "pulsediff.engines.vllm", "PulsediffWeightTransferEngine")
     except ValueError:  # registered already: vLLM may load plugins more than once in a process

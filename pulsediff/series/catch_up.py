@@ -28,7 +28,7 @@ from pulsediff.format.manifest import MANIFEST, Entry, Manifest, cheapest_paths,
 from pulsediff.io.checkpoint import Checkpoint, TensorView
 from pulsediff.runtime.progress import SILENT, Progress
 from pulsediff.series.remote import open_store
-from pulsediff.series.store import Folder, Store, size_problem
+from pulsediff.series.store import Store, size_problem
 
 MAX_SEARCHES = 32  # chains tried by one catch-up before damaged files make it give up
 
@@ -320,27 +320,27 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
 
     trust = as_trust(trust, trust_state)
     store = open_store(source, cache=cache)
-    where = _shown(store, MANIFEST)
-    manifest = read_source_manifest(store, trust)
-    if manifest is None or manifest.newest is None:
-        raise CheckpointNotFoundError(where, "manifest")
-    goal = step_entry(manifest, step, store.location)
-    if digest is None:
-        digest = state_dict_digest(tensors, manifest.precision)
-    if digest == goal.target:
-        return LiveCatchUp("up-to-date", goal.step, 0, 0, digest)
-    # With trust, every local file is copied while hashed and applied from that private copy: one swapped in
-    # the folder after its check is never read (PrivateCopies, below). Remote files are private copies already.
-    private = PrivateCopies() if trust is not None and not store.remote else None
-
-    def check_one(path: Path, e: Entry) -> str | None:
-        return check_file(path, e, manifest.precision, where, authenticate=trust is not None,
-                          private=private.path(e.file) if private is not None else None)
-
-    def used(name: str) -> Path:
-        return private.path(name) if private is not None else store.path(name)
-
+    owned = store is not source  # a Store the caller passed stays open
+    private = None
     try:
+        where = _shown(store, MANIFEST)
+        manifest = read_source_manifest(store, trust)
+        if manifest is None or manifest.newest is None:
+            raise CheckpointNotFoundError(where, "manifest")
+        goal = step_entry(manifest, step, store.location)
+        if digest is None:
+            digest = state_dict_digest(tensors, manifest.precision)
+        if digest == goal.target:
+            _close_quietly(None, store if owned else None)
+            return LiveCatchUp("up-to-date", goal.step, 0, 0, digest)
+        # With trust, every local file is copied while hashed and applied from that private copy: one swapped
+        # in the folder after its check is never read (PrivateCopies, below). Remote files are private already.
+        private = PrivateCopies(cache) if trust is not None and not store.remote else None
+
+        def check_one(path: Path, e: Entry) -> str | None:
+            return check_file(path, e, manifest.precision, where, authenticate=trust is not None,
+                              private=private.path(e.file) if private is not None else None)
+
         problems: dict[str, str] = {}
         trusted: set[str] = set()
         for _ in range(MAX_SEARCHES):
@@ -358,15 +358,30 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
         else:
             raise InvalidManifestError(where, f"no intact chain after {MAX_SEARCHES} searches")
         result = apply_to_state_dict(
-            tensors, [used(e.file) for e in links], device=device, check=check,
-            expect_target=goal.target if trust is not None else None, expect_where=where, changes=changes)
+            tensors, [private.path(e.file) if private is not None else store.path(e.file) for e in links],
+            device=device, check=check, expect_target=goal.target if trust is not None else None,
+            expect_where=where, changes=changes)
+        done = LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links),
+                           result.changed_elements, result.target_digest)
+    except BaseException:
+        _close_quietly(private, store if owned else None)
+        raise
+    # The tensors have moved: what follows is housekeeping, and its failure must not hide that.
+    try:
         store.forget([e.file for e in links], {e.file for e in manifest.entries})
-    finally:
-        if private is not None:
-            private.close()
-        store.close()
-    return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links), result.changed_elements,
-                       result.target_digest)
+    except OSError:
+        pass
+    _close_quietly(private, store if owned else None)
+    return done
+
+
+def _close_quietly(private: "PrivateCopies | None", store: Store | None) -> None:
+    for thing in (private, store):
+        if thing is not None:
+            try:
+                thing.close()
+            except OSError:
+                pass
 
 
 def step_entry(manifest: Manifest, step: int | None, location: str) -> Entry:
