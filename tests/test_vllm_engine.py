@@ -110,8 +110,7 @@ def refusals(outbox: Path, work: Path, train: Path) -> dict[str, tuple[dict, str
         "damaged": ({"source": str(damaged)}, "damaged"),
         "truncated": ({"source": str(truncated)}, "truncated"),
         "missing step": ({"source": str(outbox), "step": 99}, "step 99"),
-        "unsigned under trust": ({"source": str(outbox), "trust": public,
-                                  "trust_state": str(work / "trust.json")}, "sign"),
+        "unsigned under trust": ({"source": str(outbox), "trust": public}, "sign"),
         "reshaped tensor": ({"source": str(reshaped)}, "shape"),
     }
 
@@ -122,7 +121,7 @@ def test_qwen2_follows_a_series_bit_for_bit_and_refuses_bad_updates(qwen2, qwen2
     actions = [{"observe": "start"},
                {"update": {"source": str(outbox), "step": 1}}, {"observe": "step 1"},
                {"update": {"source": str(outbox / "patch-00000001-00000002.pulsediff")}}, {"observe": "step 2"}]
-    actions += [{"update": request} for request, _ in bad.values()]
+    actions += [{"raw_update": request} for request, _ in bad.values()]  # the workers' own checks
     actions += [{"observe": "after refusals"}, {"update": {"source": str(outbox)}}, {"observe": f"step {STEPS}"}]
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff", "actions": actions}, tmp_path)
 
@@ -131,7 +130,7 @@ def test_qwen2_follows_a_series_bit_for_bit_and_refuses_bad_updates(qwen2, qwen2
     assert observed(live, "step 1")["version"] == "1"
     assert observed(live, f"step {STEPS}")["version"] == str(STEPS)
     assert last_load(observed(live, "step 1")) == "reload"  # vLLM's CPU backend: layerwise reload
-    updates = [r for r in live if "update" in r["action"]]
+    updates = [r for r in live if "update" in r["action"] or "raw_update" in r["action"]]
     assert all("error" not in r for r in updates[:2] + updates[-1:])
     for (name, (_, says)), record in zip(bad.items(), updates[2:-1]):
         assert "error" in record, f"{name}: accepted"

@@ -7,6 +7,7 @@ keeps each engine's 3 GB and its threads out of pytest.
 PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "actions": [...]}; each action is one of
   {"observe": LABEL}                    record the weights' fingerprints and a greedy generation
   {"update": {source, step?, trust?}}   pulsediff.engines.vllm_client.update_llm; its error, if any, is recorded
+  {"raw_update": {...}}                 start/update/finish without update_llm's own checks (the workers' alone)
   {"reload": DIR}                       vLLM's own reload_weights from a checkpoint on disk (the reference)
   {"timed_update": {...}, "repeat": N}  (benchmarks) seconds of each update
 RESULT: one record per action, in order.
@@ -91,6 +92,13 @@ def main(plan_path: str, result_path: str) -> int:
             try:
                 record["target"] = update_llm(llm, **action["update"]).version
             except Exception as exc:  # recorded: the test decides whether it should have failed
+                record["error"] = f"{type(exc).__name__}: {exc}"
+        elif "raw_update" in action:  # the four calls without update_llm's own checks: the workers decide
+            try:
+                llm.start_weight_update()
+                llm.update_weights({"update_info": action["raw_update"]})
+                llm.finish_weight_update(weight_version="raw")
+            except Exception as exc:
                 record["error"] = f"{type(exc).__name__}: {exc}"
         elif "reload" in action:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": action["reload"]})

@@ -5,12 +5,14 @@ tensor-parallel ranks and, on the CPU, repacks every Linear weight into an opaqu
 (the `.weight` is then empty). Reading them back into checkpoint names would need every model's
 loader run in reverse. So the engine side keeps `HostState`: the checkpoint the engine was started
 from, as one host tensor per checkpoint name, kept at the engine's current step. A patch is
-decoded and fully verified against it (apply_to_state_dict: the base's digest, every tensor's
-target hash, signatures under trust) before the engine is touched, and what changed is then
+decoded and fully verified against it (apply_to_state_dict: the base's and every rebuilt
+tensor's word sums, or XXH3 digests for patches older than format 1.2; signatures under trust)
+before the engine is touched, and what changed is then
 handed to the engine in checkpoint coordinates, which its own `load_weights` maps into fused and
 sharded parameters.
 
-Cost: one host copy of the checkpoint (its size in host memory, never in device memory).
+Cost: one host copy of the checkpoint per engine worker (its size in host memory, never in
+device memory).
 `HostState` is independent of any engine: vLLM (engines/vllm.py) and a second engine share it.
 """
 

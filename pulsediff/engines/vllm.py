@@ -6,6 +6,7 @@ point, so every vLLM process finds it without an import by hand. Then, offline o
 `vllm serve`'s routes:
 
     init_weight_transfer_engine({})            # optional: loads the host state now, not at the first update
+                                               # (init_info takes nothing: see PULSEDIFF_VLLM_* below)
     start_weight_update()
     update_weights({"source": S, "step": N, "trust": K})
     finish_weight_update(weight_version=str(N))
@@ -13,27 +14,29 @@ point, so every vLLM process finds it without an import by hand. Then, offline o
 
 S is a patch file (a path, or an http(s):// or s3:// URL ending in .pulsediff) or a published
 series (a folder, or an s3:// or http(s):// URL): the engine moves to step N (default: the
-newest) by the cheapest chain of intact patches, as `pulsediff catch-up` does. K (a public key,
-a file of keys, or a list) takes only a series signed by one of them.
+newest) by the cheapest chain of intact patches, as `pulsediff catch-up` does. K (an inline
+`ed25519:` key or a list of them) takes only a series signed by one of them. The operator's
+environment decides what a request cannot: PULSEDIFF_VLLM_TRUST (keys, or files of them, that
+every update must be signed by), PULSEDIFF_VLLM_TRUST_STATE, PULSEDIFF_VLLM_CACHE.
 
 What happens, in order (every worker does it for itself):
 
 1. Verify, touching nothing: the request's types; the manifest (and its signature under K); the
    chain's files (size, checksums, SHA-256 under K); then every patch is decoded against the
    worker's `HostState` (engines/state.py: the checkpoint in host memory, kept at the engine's
-   step) and every rebuilt tensor checked against its target hash. A failure here raises one
-   line and leaves the host state and the engine as they were: the engine keeps serving its
-   old weights.
+   step), the base's and every rebuilt tensor's word sums checked against the patch's. A
+   failure here raises one line and leaves the host state and the engine as they were: the
+   engine keeps serving its old weights.
 2. Load into the engine, through the model's own `load_weights` (fused q/k/v and gate/up,
    tensor-parallel shards):
    - `reload` (vLLM's CPU backend, whose Linear weights are repacked into oneDNN handles and
      cannot be written in place): the layerwise reload vLLM's `reload_weights` does, fed from
      the host state instead of the disk. Every tensor goes in: a layer given only part of its
      weights would be finalized with the rest unset.
-   - `sparse` (GPU engines, whose parameters are plain tensors, and the CPU backend under
-     PULSEDIFF_VLLM_UNPACKED=1): only the changed elements, as (flat indices, values) in
-     checkpoint coordinates through vLLM's `load_checkpoint_weight_patches`; device memory
-     beyond the model stays under its 512 MiB staging chunk.
+   - `sparse` (where a parameter is used as written: GPU engines of models that are not
+     quantized, MLA or MoE, and the CPU backend under PULSEDIFF_VLLM_UNPACKED=1): only the
+     changed elements, as (flat indices, values) in checkpoint coordinates through vLLM's
+     `load_checkpoint_weight_patches`, in batches of at most 512 MiB of staged tensors.
    vLLM's loaders are not transactional. If one fails here (out of memory, say), the host
    state is already at the target and the engine's weights are undefined: the error says so,
    and the next update loads every tensor from the host state whatever it changes. On the CPU
