@@ -268,16 +268,3 @@ def model_folder(model_config, load_config=None) -> Path:
     except Exception as exc:
         raise PulsediffError(f"the pulsediff backend needs the model's checkpoint on this machine; {model} is "
                              f"neither a folder nor in the Hugging Face cache ({exc})") from None
-
-
-def keep_linear_weights_unpacked() -> None:
-    """PULSEDIFF_VLLM_UNPACKED=1 on vLLM's CPU backend: every Linear computes with plain F.linear
-    from its BF16 `.weight` instead of a repacked oneDNN handle, as on a GPU. Slower; it exists so
-    that the GPU engines' in-place (sparse) update can run, and be tested, on a CPU."""
-    from vllm.model_executor.layers import utils
-
-    def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
-        layer.cpu_linear = torch.nn.functional.linear
-
-    utils.dispatch_cpu_unquantized_gemm = plain_linear
-

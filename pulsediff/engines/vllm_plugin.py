@@ -29,6 +29,18 @@ def register() -> None:
     except ValueError:  # registered already: vLLM may load plugins more than once in a process
         pass
     if os.environ.get(UNPACKED_ENV, "") == "1":
-        from pulsediff.engines.vllm import keep_linear_weights_unpacked
-
         keep_linear_weights_unpacked()
+
+
+def keep_linear_weights_unpacked() -> None:
+    """PULSEDIFF_VLLM_UNPACKED=1 on vLLM's CPU backend: every Linear computes with plain F.linear
+    from its BF16 `.weight` instead of a repacked oneDNN handle, as on a GPU. Slower; it exists so
+    that the GPU engines' in-place (sparse) update can run, and be tested, on a CPU."""
+    import torch
+    from vllm.model_executor.layers import utils
+
+    def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    utils.dispatch_cpu_unquantized_gemm = plain_linear
+
