@@ -26,15 +26,22 @@ SHAPES = {
     "llama-tied": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                        tie_word_embeddings=True),
+    # a small Qwen3-MoE: routed experts (vLLM fuses them into w13/w2 per layer)
+    "qwen3-moe": dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                      num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
 }
 
 
 def make_model_folder(kind: str, folder: Path, seed: int = 0, shape: dict | None = None) -> Path:
     """A randomly initialised BF16 model saved by transformers' save_pretrained (config.json and
     model.safetensors). `shape` overrides SHAPES[kind]'s config fields."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config_cls, model_cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama-tied": ("LlamaConfig", "LlamaForCausalLM"),
+                             "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}[kind]
+    config_cls, model_cls = getattr(transformers, config_cls), getattr(transformers, model_cls)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**SHAPES[kind], **(shape or {})})).to(torch.bfloat16)
     with torch.no_grad():  # biases start at zero: give them values, so that their changes are RL-like too
