@@ -201,3 +201,20 @@ def test_a_series_and_a_patch_url_over_http(series, tmp_path):
         assert_unchanged(state, before)
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("version", ["v1.1", "v1.2"])
+def test_patches_with_and_without_word_sums(version):
+    """The host state checks by word sums where a patch carries them (format 1.2) and by digests where it
+    does not (1.1): both golden BF16 patches rebuild their target."""
+    from pulsediff.engines.state import HostState
+    from pulsediff.ops.live import state_dict_digest
+
+    golden = Path(__file__).parent / "golden" / version
+    tensors = {k: v.bfloat16() for k, v in load_file(str(golden / "base32.safetensors")).items()}
+    state = HostState(tensors, state_dict_digest(tensors))
+    advance = state.advance(str(golden / "bf16.ctx-rans.pulsediff"))
+    want = load_file(str(golden / "target32.as-bf16.safetensors"))
+    assert advance.status == "applied" and state.digest == state_dict_digest(want)
+    for name, t in want.items():
+        assert torch.equal(state.tensors[name].view(torch.int16), t.view(torch.int16)), name

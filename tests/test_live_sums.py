@@ -178,7 +178,7 @@ def test_sums_on_some_tensors_only_or_malformed_are_refused():
 
 
 def test_patches_without_sums_use_the_digests(tmp_path):
-    """A format 1.1 patch (golden file) applies with check='auto' and is refused with 'sums'."""
+    """A format 1.1 patch (golden file) applies with check='auto' and 'prefer-sums' and is refused with 'sums'."""
     from safetensors.torch import load_file
 
     base = load_file(f"{GOLDEN_1_1}/base32.safetensors")
@@ -189,8 +189,11 @@ def test_patches_without_sums_use_the_digests(tmp_path):
         pulsediff.apply_to_state_dict(live_tensors, patch, check="sums")
     with pytest.raises(UsageError, match="unknown check"):
         pulsediff.apply_to_state_dict(live_tensors, patch, check="fast")
+    by_preference = {k: v.clone() for k, v in live_tensors.items()}
     assert pulsediff.apply_to_state_dict(live_tensors, patch).status == "applied"
     assert _same(live_tensors, target)
+    assert pulsediff.apply_to_state_dict(by_preference, patch, check="prefer-sums").status == "applied"  # digests
+    assert _same(by_preference, target)
 
 
 def test_non_contiguous_tensors_are_refused():

@@ -40,7 +40,7 @@ class Advance:
     links: int = 0  # patch files applied
 
 
-NO_SUMS = "carries no word sums"  # apply_to_state_dict's refusal of check="sums" on a patch older than 1.2
+CHECK = "prefer-sums"  # apply_to_state_dict's: word sums where a patch carries them, else digests
 
 
 class HostState:
@@ -64,34 +64,24 @@ class HostState:
         written; on any error the tensors are as they were and PulsediffError says why."""
         kind, where = classify_source(source)
         check_request_fits(kind, source, step, trust)
-        if kind == "patch":
-            if is_url(where):  # fetched once, for both checks below
-                where = fetch_patch_url(where, limit=2 * self.nbytes + (1 << 20))
-        try:
-            return self._advance(kind, where, step, trust, trust_state, cache, "sums")
-        except UsageError as exc:
-            if NO_SUMS not in str(exc):
-                raise
-            # A patch older than format 1.2 in the chain (the tensors were put back): check by digests.
-            return self._advance(kind, where, step, trust, trust_state, cache, "digests")
-
-    def _advance(self, kind, where, step, trust, trust_state, cache, check: str) -> Advance:
-        # check="sums" (FORMAT.md §7.1): the word sums of the base and of each rebuilt tensor, with the
-        # changes located and added in place, 2-3x faster on the CPU than rebuilding every tensor and
-        # hashing it (check="digests"). Each file's own checksums, and under trust its SHA-256, are
-        # checked all the same.
+        # CHECK (FORMAT.md §7.1): the word sums of the base and of each rebuilt tensor, with the changes
+        # located and added in place, 2-3x faster on the CPU than rebuilding every tensor and hashing it;
+        # XXH3 digests for a patch older than format 1.2, which carries no sums. Each file's own
+        # checksums, and under trust its SHA-256, are checked all the same.
         from pulsediff.ops.live import apply_to_state_dict
 
         changes: dict = {}
         if kind == "patch":
-            result = apply_to_state_dict(self.tensors, [where], check=check, changes=changes)
+            if is_url(where):  # read after the request's checks, bounded by what an anchor of these tensors needs
+                where = fetch_patch_url(where, limit=2 * self.nbytes + (1 << 20))
+            result = apply_to_state_dict(self.tensors, [where], check=CHECK, changes=changes)
             self.digest = result.target_digest
             if result.status == "applied":
                 self.step = None  # a lone patch names no step
             return Advance(result.status, self.step, result.target_digest, changes, 1)
         from pulsediff.series.catch_up import catch_up_state_dict
 
-        result = catch_up_state_dict(self.tensors, where, check=check, digest=self.digest, trust=trust,
+        result = catch_up_state_dict(self.tensors, where, check=CHECK, digest=self.digest, trust=trust,
                                      trust_state=trust_state, step=step, changes=changes, cache=cache)
         self.digest, self.step = result.digest, result.step
         return Advance(result.status, result.step, result.digest, changes, result.links)

@@ -144,7 +144,7 @@ class LiveApplyResult:
     target_digest: str
 
 
-CHECKS = ("auto", "digests", "sums")
+CHECKS = ("auto", "digests", "sums", "prefer-sums")
 
 
 def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
@@ -159,8 +159,10 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     binary stream or bytes. On any error the tensors are as they were.
 
     `check` chooses how base and target are verified (module docstring):
-    "digests", "sums", or "auto" (sums when a tensor is on a GPU and the
-    patch carries them). `device` chooses the kernels of the digests path
+    "digests", "sums", "auto" (sums when a tensor is on a GPU and the patch
+    carries them) or "prefer-sums" (sums wherever the patch carries them, on
+    the CPU too, where they cost a third of the digests; digests for a patch
+    older than format 1.2). Chosen per patch of a chain. `device` chooses the kernels of the digests path
     (the sums path runs each tensor's kernels where the tensor is).
     `expect_target` (a signed series: its entry's target digest): the last
     patch must have that target, else UntrustedManifestError naming
@@ -269,7 +271,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
             raise UsageError(f"{reader.source} carries no word sums (format 1.2 added them); "
                              "apply it with check='digests'")
         on_gpu = any(t.device.type != "cpu" for t in tensors.values())
-        use_sums = check == "sums" or (check == "auto" and on_gpu and has_sums)
+        use_sums = check == "sums" or (has_sums and (check == "prefer-sums" or (check == "auto" and on_gpu)))
         if use_sums and on_gpu:
             if check == "sums" and parse_device(device) != "cpu":
                 cuda_backend()  # asked for: DeviceUnavailableError with the cause when CUDA cannot run

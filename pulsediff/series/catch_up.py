@@ -184,24 +184,13 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
                         force=True, expect_target=expect(newest.target), expect_where=where)
             source.forget([newest.file], {e.file for e in manifest.entries})
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
-    goals = _goals(manifest, have)
     problems = source.known_problems(manifest.entries)
-    trusted: set[str] = set()
-    for _ in range(MAX_SEARCHES):  # one search, then again only after a file on the chosen chain turned out damaged
-        paths = cheapest_paths(manifest.entries, have, set(problems))
-        goal = next((digest for _, digest in goals if paths.reaches(digest)), None)
-        if goal is None:
-            raise PulsediffError(
-                f"cannot reach any newer step from {checkpoint}: no intact chain in {source.location}"
-                + (f" ({_describe(problems)})" if problems else ""))
-        chain = paths.path_to(goal)
-        new = [e for e in chain if e.file not in trusted]
-        found = source.fetch(new, check, progress)  # fetched (when remote) and checked
-        problems.update(found)
-        trusted.update(e.file for e in new if e.file not in found)
-        if all(e.file in trusted for e in chain):
-            break
-    else:
+    goal, chain = _intact_chain(manifest, have, [d for _, d in _goals(manifest, have)], source, check, problems,
+                                progress)
+    if goal is None:
+        raise PulsediffError(f"cannot reach any newer step from {checkpoint}: no intact chain in {source.location}"
+                             + (f" ({_describe(problems)})" if problems else ""))
+    if chain is None:
         raise PulsediffError(f"gave up after finding damaged files on {MAX_SEARCHES} chains in {source.location} "
                              f"({_describe(problems)})")
     from_anchor = chain[0].kind == "anchor"
@@ -218,6 +207,29 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
     expected = {e.file for e in planned.path_to(newest.target)} if planned.reaches(newest.target) else set()
     problems = {f: why for f, why in problems.items() if why != "missing" or f in expected}
     return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems)
+
+
+def _intact_chain(manifest: Manifest, have: str | None, goals: list[str], source: Store, check, problems: dict,
+                  progress: Progress = SILENT) -> tuple[str | None, list[Entry] | None]:
+    """(goal, chain): the cheapest chain from `have` to the first of `goals` (target digests, most wanted
+    first) that a chain of files not in `problems` reaches, each of its files fetched (when remote) and
+    found intact by `check`. A file found missing or damaged goes into `problems`, and the search starts
+    again, at most MAX_SEARCHES times. goal None: no chain reaches any goal; chain None: the searches ran
+    out."""
+    trusted: set[str] = set()
+    for _ in range(MAX_SEARCHES):  # one search, then again only after a file on the chosen chain turned out damaged
+        paths = cheapest_paths(manifest.entries, have, set(problems))
+        goal = next((digest for digest in goals if paths.reaches(digest)), None)
+        if goal is None:
+            return None, None
+        chain = paths.path_to(goal)
+        new = [e for e in chain if e.file not in trusted]
+        found = source.fetch(new, check, progress)
+        problems.update(found)
+        trusted.update(e.file for e in new if e.file not in found)
+        if all(e.file in trusted for e in chain):
+            return goal, chain
+    return goal, None
 
 
 def _shown(store: Store, name: str) -> str:
@@ -320,7 +332,6 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
 
     trust = as_trust(trust, trust_state)
     store = open_store(source, cache=cache)
-    owned = store is not source  # a Store the caller passed stays open
     private = None
     try:
         where = _shown(store, MANIFEST)
@@ -331,7 +342,6 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
         if digest is None:
             digest = state_dict_digest(tensors, manifest.precision)
         if digest == goal.target:
-            _close_quietly(None, store if owned else None)
             return LiveCatchUp("up-to-date", goal.step, 0, 0, digest)
         # With trust, every local file is copied while hashed and applied from that private copy: one swapped
         # in the folder after its check is never read (PrivateCopies, below). Remote files are private already.
@@ -342,46 +352,30 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
                               private=private.path(e.file) if private is not None else None)
 
         problems: dict[str, str] = {}
-        trusted: set[str] = set()
-        for _ in range(MAX_SEARCHES):
-            paths = cheapest_paths(manifest.entries, digest, set(problems))
-            if not paths.reaches(goal.target):
-                raise PulsediffError(f"no intact chain of patches in {store.location} leads from the live tensors "
-                                     f"({digest}) to step {goal.step}"
-                                     + (f" ({_describe(problems)})" if problems else ""))
-            links = paths.path_to(goal.target)
-            found = store.fetch([e for e in links if e.file not in trusted], check_one)  # fetched and checked
-            problems.update(found)
-            trusted.update(e.file for e in links if e.file not in found)
-            if all(e.file in trusted for e in links):
-                break
-        else:
+        reached, links = _intact_chain(manifest, digest, [goal.target], store, check_one, problems)
+        if reached is None:
+            raise PulsediffError(f"no intact chain of patches in {store.location} leads from the live tensors "
+                                 f"({digest}) to step {goal.step}" + (f" ({_describe(problems)})" if problems else ""))
+        if links is None:
             raise InvalidManifestError(where, f"no intact chain after {MAX_SEARCHES} searches")
         result = apply_to_state_dict(
             tensors, [private.path(e.file) if private is not None else store.path(e.file) for e in links],
             device=device, check=check, expect_target=goal.target if trust is not None else None,
             expect_where=where, changes=changes)
-        done = LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links),
+        # The tensors have moved: what follows is housekeeping, and its failure must not hide that.
+        try:
+            store.forget([e.file for e in links], {e.file for e in manifest.entries})
+        except OSError:
+            pass
+        return LiveCatchUp(result.status, manifest.step_of(result.target_digest), len(links),
                            result.changed_elements, result.target_digest)
-    except BaseException:
-        _close_quietly(private, store if owned else None)
-        raise
-    # The tensors have moved: what follows is housekeeping, and its failure must not hide that.
-    try:
-        store.forget([e.file for e in links], {e.file for e in manifest.entries})
-    except OSError:
-        pass
-    _close_quietly(private, store if owned else None)
-    return done
-
-
-def _close_quietly(private: "PrivateCopies | None", store: Store | None) -> None:
-    for thing in (private, store):
-        if thing is not None:
-            try:
-                thing.close()
-            except OSError:
-                pass
+    finally:
+        for thing in (private, store if store is not source else None):  # a Store the caller passed stays open
+            if thing is not None:
+                try:
+                    thing.close()
+                except OSError:
+                    pass
 
 
 def step_entry(manifest: Manifest, step: int | None, location: str) -> Entry:

@@ -243,7 +243,7 @@ class ObjectStoreSource(Store):
         return self.read_object(SIGNATURE_NAME, MAX_SIGNATURE_BYTES, missing_ok=True,
                                 too_large=lambda where, limit: InvalidManifestError(where, f"larger than {limit} bytes"))
 
-    def read_object(self, name: str, limit: int, *, missing_ok: bool = False, too_large=None) -> bytes | None:
+    def read_object(self, name: str, limit: int, *, missing_ok: bool = False, too_large=_too_large) -> bytes | None:
         """One object's bytes, read whole into memory (at most `limit`, checked as they arrive; past it,
         the error `too_large(where, limit)` makes). A missing object: None with `missing_ok`, else
         CheckpointNotFoundError."""
@@ -255,7 +255,7 @@ class ObjectStoreSource(Store):
             for chunk in obs.get(self.store, name).stream(CHUNK):
                 data += chunk
                 if len(data) > limit:
-                    raise (too_large or _too_large)(where, limit)
+                    raise too_large(where, limit)
         except Exception as exc:
             if _is_network_error(exc) and _is_missing(exc):
                 if missing_ok:
