@@ -153,6 +153,11 @@ def test_bad_input_is_refused_and_nothing_changes(series, tmp_path, bad):
     assert_unchanged(state, before)
 
 
+NESTED = [[]]
+for _ in range(10_000):  # 10,000 lists deep: refused by type, never walked
+    NESTED = [NESTED]
+
+
 @pytest.mark.parametrize("info, says", [
     ("x", "must be an object"),
     ({}, "needs 'source'"),
@@ -168,7 +173,10 @@ def test_bad_input_is_refused_and_nothing_changes(series, tmp_path, bad):
     ({"source": "s", "trust": [""]}, "'trust'"),
     ({"source": "s", "trust": "/etc/passwd"}, "'trust'"),  # a file would be read on the engine's machine
     ({"source": "s", "steps": 1}, "unknown key 'steps'"),
-])
+    ({"source": "s", "trust": NESTED}, "'trust'"),
+    ({"source": NESTED}, "'source' must be"),
+    ({"source": "s" * 5000}, "'source' must be"),
+], ids=lambda v: v[:40] if isinstance(v, str) else type(v).__name__)
 def test_update_requests_are_checked_for_type_and_range(info, says):
     with pytest.raises(UsageError, match=says):
         parse_update_request(info)

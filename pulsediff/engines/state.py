@@ -102,7 +102,8 @@ def classify_source(source: str) -> tuple[str, str]:
     """("patch", a local path or a patch URL) or ("series", what open_store takes). Reads nothing
     remote."""
     if not isinstance(source, str) or not source:
-        raise UsageError(f"'source' must be a non-empty string (a patch file, a series folder or URL), not {source!r}")
+        raise UsageError("'source' must be a non-empty string (a patch file, a series folder or URL), not "
+                         f"{_described(source)}")
     if is_url(source):
         if source.split("?", 1)[0].endswith(".pulsediff"):
             if "?" in source:
@@ -175,17 +176,18 @@ def parse_update_request(info) -> UpdateRequest:
     if not isinstance(info, dict):
         raise UsageError(f"update_info must be an object with 'source' (and optionally 'step', 'trust'), "
                          f"not {type(info).__name__}")
-    unknown = sorted(set(info) - set(UPDATE_KEYS))
+    unknown = sorted(str(k)[:40] for k in set(info) - set(UPDATE_KEYS))
     if unknown:
         raise UsageError(f"update_info has unknown key {unknown[0]!r}; it takes {', '.join(UPDATE_KEYS)}")
     if "source" not in info:
         raise UsageError("update_info needs 'source': a patch file, a series folder, or an s3:// or http(s):// URL")
     source = info["source"]
     if not isinstance(source, str) or not source or len(source) > 4096 or "\0" in source:
-        raise UsageError(f"update_info 'source' must be a path or URL string, not {source!r:.80}")
+        raise UsageError(f"update_info 'source' must be a path or URL string of at most 4096 characters, not "
+                         f"{_described(source)}")
     step = info.get("step")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 63):
-        raise UsageError(f"update_info 'step' must be a non-negative integer, not {step!r:.40}")
+        raise UsageError(f"update_info 'step' must be a non-negative integer, not {_described(step)}")
     trust = info.get("trust")
     if trust is not None:
         keys = [trust] if isinstance(trust, str) else trust
@@ -195,3 +197,12 @@ def parse_update_request(info) -> UpdateRequest:
             raise UsageError(f"update_info 'trust' must be a public key ({KEY_PREFIX}...) or a list of them")
         trust = tuple(keys)
     return UpdateRequest(source, step, trust)
+
+
+def _described(value) -> str:
+    """A request's value for a message: short, and safe for any value (a repr of a list nested 10,000
+    deep would recurse past Python's limit, a huge string flood the line)."""
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return f"a {type(value).__name__}"
