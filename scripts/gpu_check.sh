@@ -8,8 +8,8 @@
 # on PYTHONPATH, on the machine's own torch, numba and numba-cuda. What that machine lacks travels
 # as wheels in .whl/ (git-ignored), fetched beforehand on a machine that reaches PyPI:
 #
-#     scripts/gpu_check.sh --fetch-wheels      # zstandard, and numpy < 2.5 (numba-cuda 0.30, in
-#                                              # maintenance mode, fails to compile on numpy 2.5)
+#     scripts/gpu_check.sh --fetch-wheels      # zstandard, pytest-timeout, and numpy < 2.5 (numba-cuda
+#                                              # 0.30, in maintenance mode, fails to compile on numpy 2.5)
 #     scripts/gpu_check.sh [PHASE] [--quick]   # on the GPU machine
 #
 # PHASE is all (default), or one of, in the order `all` runs them (issue 32: bench first):
@@ -34,7 +34,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     mkdir -p .whl
     exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${GPU_PY_VERSION:-3.12}" \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl "zstandard>=0.22" "numpy>=2.0,<2.5"
+        --platform manylinux2014_x86_64 -d .whl "zstandard>=0.22" "numpy>=2.0,<2.5" "pytest-timeout>=2.3"
 fi
 QUICK=0
 PHASE=all
@@ -100,9 +100,13 @@ if want tests; then
     TESTS="tests/test_kernels_cuda.py tests/test_kernels.py tests/test_class_sort.py tests/test_live.py
            tests/test_live_sums.py tests/test_device_choice.py tests/test_golden.py tests/test_cli.py"
     # shellcheck disable=SC2086
-    limited "${TESTS_LIMIT:-150}" "$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
+    # One test that hangs is cut off by pytest-timeout (where its wheel came along), with its
+    # stack in the log, and the rest still run; -rfE lists every failure's reason at the end.
+    PER_TEST=""
+    if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST="--timeout=${PER_TEST_LIMIT:-60}"; fi
+    limited "${TESTS_LIMIT:-150}" "$PY" -m pytest -q -rfE -p no:cacheprovider $PER_TEST $TESTS > "$OUT/tests.log" 2>&1
     TESTS_RC=$?
-    tail -n 15 "$OUT/tests.log"
+    tail -n 25 "$OUT/tests.log"
 fi
 
 if want cli; then
