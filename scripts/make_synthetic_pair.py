@@ -296,13 +296,13 @@ def check_pair(old: Path, new: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gb", type=float, default=1.0, help="size of each checkpoint in GB (1e9 bytes), about")
+    ap.add_argument("--gb", type=float, default=1.0, help="size of each checkpoint in GB (1e9 bytes), approximately (default 1.0)")
     ap.add_argument("--density", type=float, default=0.01, help="fraction of elements changed (default 0.01)")
     ap.add_argument("--out", required=True, type=Path, help="output folder")
     ap.add_argument("--shards", type=int, default=1, help="write N-shard HF folders instead of single files")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--check", action="store_true", help="read the pair back with safetensors and verify it")
-    ap.add_argument("-q", "--quiet", action="store_true")
+    ap.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     args = ap.parse_args(argv)
     try:
         old, new = write_synthetic_pair(args.out, args.gb, args.density, shards=args.shards, seed=args.seed,

@@ -100,7 +100,10 @@ def _tidy_help(command, parent=None) -> None:
             if param.is_flag or param.count:
                 param.metavar = ""
             elif choices:
-                param.metavar = "|".join(str(getattr(c, "value", c)) for c in choices)
+                # A short list of choices is its own metavar; a long one would take the help
+                # text's room at 80 columns, so it is named, and the help lists the choices.
+                listed = "|".join(str(getattr(c, "value", c)) for c in choices)
+                param.metavar = listed if len(listed) <= 12 else param.name.upper()
             else:
                 annotation = getattr(desc, "annotation", None)
                 name = getattr(annotation, "__name__", "") if desc is not None else getattr(click_type, "name", "")

@@ -9,7 +9,7 @@ import typer
 
 from pulsediff.errors import UsageError
 from pulsediff.cli.checks import check_output
-from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, ForceStdout, Json, Precision, Quiet
 from pulsediff.cli.output import Output, human_bytes
 
 
@@ -20,7 +20,7 @@ def make(
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
-    force: Force = False,
+    force: ForceStdout = False,
     skip_unsupported: Annotated[bool, typer.Option("--skip-unsupported", help="Leave out of the patch, with a warning, the files of a model folder it cannot carry (weights in other formats such as .bin or .gguf, files over 256 MiB) instead of refusing.")] = False,
     quiet: Quiet = False,
     as_json: Json = False,

@@ -9,10 +9,12 @@ import typer
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or messages; errors still go to stderr.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout (messages still go to stderr).")]
-Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output (and write binary to a terminal with -o -).")]
+Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
+# For commands whose -o takes - (stdout): -f is also what lets binary reach a terminal.
+ForceStdout = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output (and write binary to a terminal with -o -).")]
 Device = Annotated[
     str,
-    typer.Option("--device", metavar="auto|cpu|cuda", help="Kernel backend: auto (CUDA when a GPU is usable), cpu or cuda.",
+    typer.Option("--device", metavar="DEVICE", help="Kernel backend: auto (CUDA when a GPU is usable), cpu or cuda.",
                  envvar="PULSEDIFF_DEVICE"),
 ]
 # These mirror pulsediff.codecs (DEFAULT_SPARSE_CODEC, SPARSE_CODECS) and pulsediff.io.checkpoint.PRECISIONS:
@@ -35,4 +37,4 @@ Precision = Annotated[
 ]
 TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust: the record of "
                        "the newest manifest accepted per source (under any key), which an older one may not undercut. "
-                       "Default: $XDG_STATE_HOME/pulsediff/trusted-series.json (~/.local/state/...).")]
+                       "Default: trusted-series.json in $XDG_STATE_HOME/pulsediff (~/.local/state/pulsediff).")]

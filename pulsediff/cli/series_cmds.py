@@ -21,13 +21,17 @@ def publish(
                        "AWS_PROFILE).")],
     anchor_every: Annotated[int, typer.Option("--anchor-every", help="Write a full anchor every N steps.")] = 10,
     keep: Annotated[Optional[int], typer.Option("--keep", help="Keep only the newest N anchors and what follows them.")] = None,
-    skips: Annotated[bool, typer.Option("--skips/--no-skips", help="Also write skip patches (from 2, 4, 8, ... steps back) so that catch-up needs few links.")] = True,
+    # One flag, not --skips/--no-skips: the pair takes a help column of its own, which squeezed
+    # every description to about 23 columns at 80. --skips (the default) is still accepted.
+    no_skips: Annotated[bool, typer.Option("--no-skips", help="Write no skip patches (from 2, 4, 8, ... steps back; "
+                                           "they let catch-up take few links).")] = False,
+    _skips: Annotated[bool, typer.Option("--skips", hidden=True)] = True,
     watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
     idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many seconds with no new checkpoint.")] = None,
     pattern: Annotated[Optional[str], typer.Option("--step-pattern", help="Regex whose first matching group is the step "
                        "number in a name. Default: the number after 'step', else the last number.")] = None,
-    ready: Annotated[Literal["stable", "marker"], typer.Option("--ready", help="When a checkpoint is complete: stable (its files unchanged for "
+    ready: Annotated[Literal["stable", "marker"], typer.Option("--ready", metavar="WHEN", help="When a checkpoint is complete: stable (its files unchanged for "
                      "--settle seconds, and again after reading it) or marker (a NAME.done file beside it, written by "
                      "the trainer once the checkpoint is closed).")] = "stable",
     settle: Annotated[float, typer.Option("--settle", help="Seconds a checkpoint's files must be unchanged "
@@ -59,7 +63,7 @@ def publish(
                  f"{plural(report.anchors, 'anchor')}")
 
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
-                anchor_every=anchor_every, keep=keep, skips=skips, precision=precision, codec=codec, device=device,
+                anchor_every=anchor_every, keep=keep, skips=not no_skips, precision=precision, codec=codec, device=device,
                 pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, sign=sign, trust=trust or None,
                 trust_state=trust_state, **({"dry_run": True} if dry_run else {}))
     if as_json:

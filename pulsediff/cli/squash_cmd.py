@@ -9,7 +9,7 @@ import typer
 
 from pulsediff.errors import UsageError
 from pulsediff.cli.checks import check_output, check_patch_paths
-from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Quiet
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, ForceStdout, Json, Quiet
 from pulsediff.cli.output import Output, human_bytes, plural
 
 
@@ -19,7 +19,7 @@ def squash(
     output: Annotated[str, typer.Option("--output", "-o", metavar="PATCH", help="Squashed patch to write, or - for stdout.")],
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
-    force: Force = False,
+    force: ForceStdout = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:

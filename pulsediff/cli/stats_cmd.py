@@ -22,7 +22,7 @@ def stats(
     top: Annotated[int, typer.Option("--top", metavar="N", help="Tensors to list, largest patch share first (0: all).")] = 20,
     device: Device = "auto",
     plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="For a series: draw density and patch size per step, the k-step curve and the layer types into this PNG, replaced if it exists (needs matplotlib).")] = None,
-    step_pattern: Annotated[Optional[str], typer.Option("--step-pattern", metavar="REGEX", help="For a series: a regex whose first group is the step number in a checkpoint's name [default: as publish reads names].")] = None,
+    step_pattern: Annotated[Optional[str], typer.Option("--step-pattern", metavar="REGEX", help="For a series: a regex whose first group is the step number in a checkpoint's name (default: as publish reads names).")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
