@@ -17,6 +17,7 @@ def demo(
     directory: Annotated[Path, typer.Option("--dir", help="Where to write the example checkpoints and patch.")] = Path("pulsediff-demo"),
     lr: Annotated[float, typer.Option("--lr", help="Learning rate of the RL-like AdamW step.")] = 1e-6,
     device: Device = "auto",
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace a previous demo's files in the folder.")] = False,
     quiet: Quiet = False,
 ) -> None:
     """Pretrain a small transformer briefly, take one AdamW step at lr 1e-6, then make, apply, verify and show stats."""
@@ -32,6 +33,15 @@ def demo(
     from pulsediff.ops.make import make_patch
     from pulsediff.ops.stats import stats_of_patch_file
 
+    from pulsediff.example import STEP_NAME
+    from pulsediff.errors import OutputExistsError
+
+    # Every file the demo writes; a second run in the same folder replaces them only when asked.
+    written = [directory / STEP_NAME.format(0), directory / STEP_NAME.format(1), directory / "step.pulsediff",
+               directory / "rebuilt.safetensors"]
+    existing = next((p for p in written if p.exists() or p.is_symlink()), None)
+    if existing is not None and not force:
+        raise OutputExistsError(str(existing), "give -f/--force (or another --dir)")
     out = Output(quiet=quiet)
     directory.mkdir(parents=True, exist_ok=True)
     warmup = DEMO_RECIPE["warmup_steps"]

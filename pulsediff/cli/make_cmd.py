@@ -45,7 +45,8 @@ def make(
     total = sum(t.numel for t in header.tensors)
     size = Path(output).stat().st_size if output != "-" else None
     if as_json:
-        out.json({"output": output, "bytes": size, "precision": header.precision, "elements": total,
+        # "patch_bytes", as stats --json names it; "bytes", its old name here, stays until 0.3
+        out.json({"output": output, "patch_bytes": size, "bytes": size, "precision": header.precision, "elements": total,
                   "changed": changed, "base_digest": header.base_digest, "target_digest": header.target_digest,
                   "target_bytes": header.target_bytes, "files": [f.name for f in header.files],
                   "not_carried": skipped})

@@ -35,7 +35,8 @@ def squash(
     size = Path(output).stat().st_size if output != "-" else None
     links = sum(p.stat().st_size for p in patches)
     if as_json:
-        out.json({"output": output, "bytes": size, "patches": len(patches), "patches_bytes": links,
+        # "patch_bytes", as stats --json names it; "bytes", its old name here, stays until 0.3
+        out.json({"output": output, "patch_bytes": size, "bytes": size, "patches": len(patches), "patches_bytes": links,
                   "base_digest": header.base_digest, "target_digest": header.target_digest})
     elif size is not None:
         out.info(f"wrote {output}: {human_bytes(size)} for {plural(len(patches), 'patch', 'patches')} of {human_bytes(links)} in all")

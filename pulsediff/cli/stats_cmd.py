@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pulsediff.errors import UsageError
-from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet
 from pulsediff.cli.output import Output, human_bytes
 
 
@@ -21,8 +21,9 @@ def stats(
     codec: Codec = DEFAULT_CODEC,
     top: Annotated[int, typer.Option("--top", metavar="N", help="Tensors to list, largest patch share first (0: all).")] = 20,
     device: Device = "auto",
-    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="For a series: draw density and patch size per step, the k-step curve and the layer types into this PNG, replaced if it exists (needs matplotlib).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="For a series: draw density and patch size per step, the k-step curve and the layer types into this PNG (needs matplotlib; an existing one is replaced only with -f).")] = None,
     step_pattern: Annotated[Optional[str], typer.Option("--step-pattern", metavar="REGEX", help="For a series: a regex whose first group is the step number in a checkpoint's name (default: as publish reads names).")] = None,
+    force: Force = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -34,7 +35,7 @@ def stats(
         if _is_checkpoint_folder(first, step_pattern):
             raise UsageError(f"{first} is a checkpoint (a model folder), not a patch or a series folder; "
                              "give OLD NEW to compare two checkpoints")
-        return _series(first, precision, codec, device, plot, step_pattern, out)
+        return _series(first, precision, codec, device, plot, step_pattern, force, out)
     if plot is not None:
         raise UsageError("--plot is for a folder of checkpoints (a series)")
     if step_pattern is not None:
@@ -120,18 +121,18 @@ def _refuse_checkpoint_as_patch(path: Path) -> None:
 
 
 def _series(folder: Path, precision: str, codec: str, device: str, plot: Optional[Path], step_pattern: Optional[str],
-            out: Output) -> None:
+            force: bool, out: Output) -> None:
     from pulsediff.series.steps import DEFAULT_STEP_PATTERN
     from pulsediff.series.stats import series_stats
 
     if step_pattern is not None:
         _check_pattern(step_pattern)
-    if plot is not None:  # before the work: matplotlib is there and the PNG's folder exists (a plot is replaced)
+    if plot is not None:  # before the work: matplotlib is there, the PNG's folder exists, no PNG is lost
         from pulsediff.series.stats import pyplot
         from pulsediff.cli.checks import check_output
 
         pyplot()
-        check_output(plot, force=True)
+        check_output(plot, force=force)
     s = series_stats(folder, precision=precision, codec=codec, device=device,
                      pattern=step_pattern or DEFAULT_STEP_PATTERN, progress=out.progress())
     if plot is not None:

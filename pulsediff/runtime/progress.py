@@ -21,3 +21,21 @@ class Progress:
 
 
 SILENT = Progress()
+
+
+class Labelled(Progress):
+    """Passes progress on under its own label: a loop of operations that each call their bar the
+    same ("make" for every step of a series) shows which one runs ("make 3/9")."""
+
+    def __init__(self, inner: Progress, label: str):
+        self.inner = inner
+        self.label = label
+
+    def begin(self, description: str, total_bytes: int, total_tensors: int, unit: str = "tensors") -> None:
+        self.inner.begin(self.label, total_bytes, total_tensors, unit)
+
+    def advance(self, nbytes: int, tensors: int = 1) -> None:
+        self.inner.advance(nbytes, tensors)
+
+    def end(self) -> None:
+        self.inner.end()

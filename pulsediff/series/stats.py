@@ -21,7 +21,7 @@ from pulsediff.io.checkpoint import Checkpoint, TensorView
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC
 from pulsediff.errors import MissingExtraError, PulsediffError
 from pulsediff.kernels import get_backend
-from pulsediff.runtime.progress import SILENT, Progress
+from pulsediff.runtime.progress import SILENT, Labelled, Progress
 from pulsediff.series.steps import DEFAULT_STEP_PATTERN, find_checkpoints
 
 LAYER_TYPES = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
@@ -142,7 +142,7 @@ def series_stats(train_dir: Path, *, precision: str = "exact", pattern: str = DE
     step_density = []
     for i in range(len(checkpoints) - 1):
         measured = step_patch(checkpoints[i][1], checkpoints[i + 1][1], precision=precision, codec=codec,
-                              device=device, progress=progress)
+                              device=device, progress=Labelled(progress, f"make {i + 1}/{len(checkpoints) - 1}"))
         step_density.append({"from": steps[i], "to": steps[i + 1], **measured})
 
     layer_types = {}
