@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=1, help="write N-shard HF folders instead of single files")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--check", action="store_true", help="read the pair back with safetensors and verify it")
-    ap.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    ap.add_argument("-q", "--quiet", action="store_true", help="print only the two paths written (for scripts)")
     args = ap.parse_args(argv)
     try:
         old, new = write_synthetic_pair(args.out, args.gb, args.density, shards=args.shards, seed=args.seed,
