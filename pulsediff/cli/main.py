@@ -160,8 +160,10 @@ def _run(argv: list[str] | None) -> int:
             code = command.main(args=argv, prog_name="pulsediff", standalone_mode=False)
             interrupt.check()  # a Ctrl-C swallowed by a finalizer on the way still counts
         finally:
-            interrupt.done()
-            restore_terminal()  # a bar left by an error or Ctrl-C: down before the last line, cursor shown
+            try:
+                interrupt.done(final=argv is None)  # the process's own command line: it exits next
+            finally:  # a Ctrl-C raised as the handler is swapped (it checks pending signals first)
+                restore_terminal()  # a bar left by an error or Ctrl-C: down before the last line, cursor shown
     except NoArgsIsHelpError:
         return EXIT_USAGE  # the help is printed already
     except ClickException as exc:
