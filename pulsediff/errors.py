@@ -123,6 +123,28 @@ class InvalidManifestError(PulsediffError, ValueError):
         super().__init__(f"not a valid pulsediff manifest: {path}: {reason}")
 
 
+class OutsideLinkError(PulsediffError, ValueError):
+    """A file of a series folder that is a symbolic link leading out of it: not followed (rsync's
+    --safe-links). Links that stay inside the folder are fine."""
+
+    def __init__(self, path: str, real: str):
+        self.path, self.real = path, real
+        super().__init__(f"{path} is a symbolic link out of its series folder (to {real}); not followed")
+
+
+class NotInSeriesError(PulsediffError, ValueError):
+    """catch-up given a checkpoint the series does not list (another model, or a step it no longer
+    keeps): replacing it from an anchor needs force, and is never done for another output."""
+
+
+class PartialCatchUpError(PulsediffError):
+    """A catch-up that moved the checkpoint to a verified step short of the newest (the CLI's exit 4)."""
+
+    def __init__(self, output: str, step: int, newest: int, reason: str):
+        self.output, self.step, self.newest, self.reason = output, step, newest, reason
+        super().__init__(f"{output} is now at step {step} of {newest}; stopped: {reason}")
+
+
 class SigningKeyError(PulsediffError, ValueError):
     """A key file or public key (`keygen`, `publish --sign`, `--trust`) that cannot be used."""
 

@@ -40,9 +40,9 @@ Remote trials (`--remote-trials N`, 30 by default; needs obstore, the
 each GET of a patch at random (a 500, a 404, a body cut short after its
 headers promised it whole, or one byte flipped), from a random worker step.
 After each: exit 0 with the worker bit for bit the published step it
-reports; or exit 1 with one line, and the worker either as it was or, where
-the line says it stopped at step K (the newest step unreachable from intact
-files), bit for bit step K; no temporary file beside the worker.
+reports; or exit 1 with one line and the worker as it was; or exit 4 (the
+newest step unreachable from intact files) with one line saying it is now at
+step K, and the worker bit for bit step K; no temporary file beside the worker.
 """
 
 from __future__ import annotations
@@ -534,11 +534,13 @@ def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
                 counts["reached the newest step" if step == steps else "stopped short, reported"] += 1
                 if now != published.get(step):
                     problem = f"exit 0 at step {step}, but the worker is not that step's checkpoint"
-            elif proc.returncode == 1:
-                stopped = re.search(r"stopped at step (\d+):", err)
-                counts["went part of the way, said where (exit 1)" if stopped else "refused"] += 1
+            elif proc.returncode in (1, 4):
+                stopped = re.search(r"is now at step (\d+) of \d+; stopped: ", err)
+                counts["went part of the way, said where (exit 4)" if stopped else "refused"] += 1
                 if not _one_line(err):
                     problem = f"not one line: {err[-300:]!r}"
+                elif (proc.returncode == 4) != bool(stopped):
+                    problem = f"exit {proc.returncode} with: {err[-300:]!r}"
                 elif stopped and now != published.get(int(stopped.group(1))):
                     problem = f"says it stopped at step {stopped.group(1)}, but the worker is not that step: {err!r}"
                 elif not stopped and now != before:

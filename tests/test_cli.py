@@ -112,6 +112,48 @@ def test_help_does_not_import_torch_or_numba():
     assert "HEAVY []" in out, out
 
 
+# Runs the CLI (as the console script does) with a Ctrl-C delivered once the command is over: in
+# main() after the command returned ("exit"), or while the interpreter shuts down and tears its
+# modules down ("shutdown"), past the point where Python resets SIGINT to its default action.
+CTRL_C_AT_EXIT = """
+import gc, os, signal, sys, time
+when = sys.argv.pop(1)
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)  # delivered here, whatever the handler does with it
+if when == "exit":
+    real_freeze = gc.freeze
+    def freeze():
+        real_freeze()
+        ctrl_c()
+    gc.freeze = freeze
+else:
+    class Late:
+        def __del__(self):
+            ctrl_c()
+    sys.modules["ctrl_c_at_shutdown"] = Late()
+from pulsediff.__main__ import main
+sys.argv = ["pulsediff", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("when", ["exit", "shutdown"])
+def test_ctrl_c_once_the_command_is_over_changes_nothing(pair, tmp_path, when):
+    """An in-place apply that has finished, and said so, exits 0 with its own line whenever a Ctrl-C
+    comes after it: before, a traceback ("exit") or death by the signal itself, exit -2 with no word
+    ("shutdown"), though the file was complete."""
+    old, new = pair
+    ckpt = tmp_path / "ckpt.safetensors"
+    ckpt.write_bytes(old.read_bytes())
+    run("make", old, new, "-o", tmp_path / "p", "-q")
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_AT_EXIT, when, "apply", str(ckpt), str(tmp_path / "p"),
+                           "--in-place"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith(f"wrote {ckpt} (") and proc.stderr.count("\n") == 1, proc.stderr
+    assert ckpt.read_bytes() == new.read_bytes()
+
+
 @pytest.mark.parametrize("args,contains", [
     (("make", "missing.safetensors", "also-missing", "-o", "p"), "not found"),
     (("apply", "missing.safetensors", "p", "-o", "out"), "not found"),
@@ -395,9 +437,10 @@ def test_exit_codes_are_the_readmes(pair, tmp_path, monkeypatch, capsys):
     from pulsediff.cli import main as cli_main
 
     codes = _readme_exit_codes()
-    assert set(codes) == {0, 1, 2, 3, 130}
-    assert (cli_main.EXIT_OK, cli_main.EXIT_ERROR, cli_main.EXIT_USAGE, cli_main.EXIT_BUG,
-            cli_main.EXIT_INTERRUPTED) == (0, 1, 2, 3, 130)
+    assert set(codes) == {0, 1, 2, 3, 4, 130}
+    assert (cli_main.EXIT_OK, cli_main.EXIT_ERROR, cli_main.EXIT_USAGE, cli_main.EXIT_BUG, cli_main.EXIT_PARTIAL,
+            cli_main.EXIT_INTERRUPTED) == (0, 1, 2, 3, 4, 130)
+    # 4 (a catch-up that stops part-way) needs a damaged series: test_catch_up_edges.py triggers it
     old, new = pair
     assert run("digest", old, check=False).returncode == 0
     assert_one_line_error(run("digest", tmp_path / "missing", check=False), 1, "not found")

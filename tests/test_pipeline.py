@@ -171,7 +171,7 @@ def test_unreachable_newest_step_stops_at_the_newest_reachable_one(pipeline):
     last.write_bytes(last.read_bytes()[:-1])  # the only way to step 7
     ckpt = start_at_step(root, train, 4, "w-partial.safetensors")
     proc = catch_up(ckpt, copy)
-    assert proc.returncode == 1 and b"stopped at step 6" in proc.stderr
+    assert proc.returncode == 4 and b"is now at step 6 of 7; stopped: patch-00000006-00000007.pulsediff" in proc.stderr
     assert ckpt.read_bytes() == (train / "step_000006.safetensors").read_bytes()
     # from step 6 nothing newer is reachable: an error, and the checkpoint is untouched
     before = ckpt.read_bytes()

@@ -3,7 +3,8 @@
 Exit codes (README.md's table says the same; tests/test_cli.py checks both):
 0 success, 1 an error pulsediff explains (bad input, mismatch, I/O), 2 a
 usage error (ours or the command line parser's), 3 an internal error (a bug:
-please report it), 130 interrupted. Set PULSEDIFF_DEBUG=1 to see tracebacks.
+please report it), 4 a catch-up that reached a verified step short of the
+newest (like rsync's 23 for a partial transfer), 130 interrupted. Set PULSEDIFF_DEBUG=1 to see tracebacks.
 
 The app runs in click's non-standalone mode so that every outcome comes back
 here: in standalone mode typer prints usage errors as a five-line box and turns
@@ -19,7 +20,7 @@ import sys
 
 import typer
 
-from pulsediff.errors import PulsediffError, UsageError, as_out_of_memory
+from pulsediff.errors import PartialCatchUpError, PulsediffError, UsageError, as_out_of_memory
 from pulsediff.cli import (apply_cmd, demo_cmd, digest_cmd, engine_cmds, keygen_cmd, make_cmd, series_cmds, squash_cmd,
                            stats_cmd)
 from pulsediff.cli.output import restore_terminal
@@ -29,7 +30,7 @@ try:  # typer >= 0.20 ships its own copy of click
 except ImportError:  # pragma: no cover - older typer on top of click
     from click.exceptions import ClickException, NoArgsIsHelpError
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BUG, EXIT_PARTIAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 app = typer.Typer(
     name="pulsediff",
@@ -162,8 +163,10 @@ def _run(argv: list[str] | None) -> int:
             code = command.main(args=argv, prog_name="pulsediff", standalone_mode=False)
             interrupt.check()  # a Ctrl-C swallowed by a finalizer on the way still counts
         finally:
-            interrupt.done()
-            restore_terminal()  # a bar left by an error or Ctrl-C: down before the last line, cursor shown
+            try:
+                interrupt.done(final=argv is None)  # the process's own command line: it exits next
+            finally:  # a Ctrl-C raised as the handler is swapped (it checks pending signals first)
+                restore_terminal()  # a bar left by an error or Ctrl-C: down before the last line, cursor shown
     except NoArgsIsHelpError:
         return EXIT_USAGE  # the help is printed already
     except ClickException as exc:
@@ -172,6 +175,9 @@ def _run(argv: list[str] | None) -> int:
     except UsageError as exc:
         _say(f"error: {exc}")
         return EXIT_USAGE
+    except PartialCatchUpError as exc:
+        _report(exc)
+        return EXIT_PARTIAL
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
     except typer.Abort:  # typer's answer to EOF on a prompt; pulsediff has none

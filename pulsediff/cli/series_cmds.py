@@ -7,9 +7,9 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from pulsediff.errors import PulsediffError
+from pulsediff.errors import PartialCatchUpError
 from pulsediff.cli.checks import check_output
-from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Force, Json, Precision, Quiet, TrustState
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet, TrustState
 from pulsediff.cli.output import Output, plural
 
 
@@ -104,7 +104,9 @@ def catch_up(
                      "than one accepted before, and only files with the SHA-256 it names.")] = None,
     trust_state: TrustState = None,
     device: Device = "auto",
-    force: Force = False,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing OUT; in place, replace a "
+                     "CHECKPOINT that is no step of the series (another model, or a step it no longer keeps) with "
+                     "the newest step, rebuilt from an anchor.")] = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -117,7 +119,8 @@ def catch_up(
     if plan:
         from pulsediff.series.catch_up import plan_catch_up
 
-        planned = plan_catch_up(checkpoint, patch_dir, trust=trust or None, trust_state=trust_state)
+        planned = plan_catch_up(checkpoint, patch_dir, trust=trust or None, trust_state=trust_state,
+                                force=force and output is None)
         if as_json:
             out.json({"step": planned.step, "files": planned.files, "urls": planned.urls, "from_anchor": planned.from_anchor})
             return
@@ -127,8 +130,11 @@ def catch_up(
     result = run(checkpoint, patch_dir, output, device=device, cache=cache, progress=out.progress(), force=force,
                  trust=trust or None, trust_state=trust_state)
     if as_json:
-        out.json({"output": str(result.output), "status": result.status, "step": result.step, "files": result.files,
-                  "from_anchor": result.from_anchor, "skipped": result.problems})
+        out.json({"output": str(result.output), "status": result.status, "step": result.step,
+                  "newest": result.newest, "files": result.files, "from_anchor": result.from_anchor,
+                  "skipped": result.problems})
+    elif result.status == "partial":
+        pass  # its one line is the error below
     elif result.status == "up-to-date" and _same_file(result.output, checkpoint):
         out.info(f"{checkpoint} is already at step {result.step}")
     elif result.status == "up-to-date":
@@ -138,13 +144,15 @@ def catch_up(
         if result.from_anchor:
             then = f", then {plural(len(files) - 1, 'patch', 'patches')} ({', '.join(files[1:])})" if files[1:] else ""
             how = f"rebuilt from an anchor ({files[0]}){then}"
+            if result.replaced:
+                how = f"it was not a step of the series in {patch_dir}, so it was {how}"
         else:
             how = f"applied {plural(len(files), 'patch', 'patches')} to {checkpoint} ({', '.join(files)})"
         out.info(f"{result.output} is now at step {result.step}: {how}")
         for name in result.skipped:
             out.info(f"skipped {name}: {result.problems.get(name, 'missing or damaged')}")
     if result.status == "partial":
-        raise PulsediffError(f"stopped at step {result.step}: the newest step cannot be reached from intact files")
+        raise PartialCatchUpError(str(result.output), result.step, result.newest, result.stopped)
 
 
 def _same_file(a: Path, b: Path) -> bool:

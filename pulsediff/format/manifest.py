@@ -38,7 +38,7 @@ from pulsediff.io import strict_json
 from pulsediff.io.atomic import StagedFiles
 from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
 from pulsediff.format.digest import checkpoint_digest, is_digest
-from pulsediff.errors import InvalidManifestError
+from pulsediff.errors import InvalidManifestError, OutsideLinkError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -131,9 +131,12 @@ class Manifest:
         return max((e.step for e in self.entries if e.target == digest), default=None)
 
 
-def read_small_file(path: Path, limit: int, error=InvalidManifestError) -> bytes | None:
+def read_small_file(path: Path, limit: int, error=InvalidManifestError, root: str | None = None) -> bytes | None:
     """The bytes of the regular file `path` (None when there is none), refused past `limit` bytes with
-    `error(str(path), reason)`: a directory, a FIFO or a device is an error, never a hang."""
+    `error(str(path), reason)`: a directory, a FIFO or a device is an error, never a hang. `root` (a
+    real path): the file must lie inside that folder, else OutsideLinkError (see `outside`)."""
+    if root is not None and not within(os.path.realpath(path), root):  # never even opened
+        raise OutsideLinkError(str(path), os.path.realpath(path))
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us
     except FileNotFoundError:
@@ -141,6 +144,8 @@ def read_small_file(path: Path, limit: int, error=InvalidManifestError) -> bytes
     except OSError as exc:
         raise error(str(path), exc.strerror or str(exc)) from None
     try:
+        if root is not None and (real := outside(fd, path, root)) is not None:
+            raise OutsideLinkError(str(path), real)
         # Checked on the descriptor before wrapping it: os.fdopen refuses a directory with an
         # error naming the descriptor, not the path, and leaves the descriptor open.
         st = os.fstat(fd)
@@ -160,6 +165,27 @@ def read_small_file(path: Path, limit: int, error=InvalidManifestError) -> bytes
     if len(data) > limit:
         raise error(str(path), f"larger than {limit} bytes")
     return data
+
+
+def within(real: str, root: str) -> bool:
+    """Whether the real path `real` is the folder `root` (a real path) or inside it."""
+    return os.path.commonpath([real, root]) == root
+
+
+def outside(fd: int, path: Path, root: str) -> str | None:
+    """Where the file open at `fd` (opened as `path`) really is, when that is outside the folder `root`
+    (a real path); None when it is inside. Asked of the descriptor, not the name: a link swapped
+    between a check of the name and the open cannot pass for the file that was opened."""
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")  # Linux: the opened file's own path
+    except OSError:  # elsewhere: the name's real path, if that still is the file that was opened
+        real = os.path.realpath(path)
+        try:
+            if not os.path.samestat(os.fstat(fd), os.stat(real)):
+                return real
+        except OSError:
+            return real
+    return None if within(real, root) else real
 
 
 SERIES_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -89,10 +89,16 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
-def done() -> None:
-    """The command is over: put back what `install` replaced (the CLI also runs in-process, in tests)."""
+def done(final: bool = False) -> None:
+    """The command is over: put back what `install` replaced (the CLI also runs in-process, in tests).
+
+    `final`: the process exits next, and a Ctrl-C from here on is ignored. Put back, Python's own
+    handler would raise KeyboardInterrupt into the exit (a traceback), and once the interpreter's
+    shutdown resets SIGINT to its default the signal itself would end the process (exit -2, no
+    word) after the command had finished and said so. One call swaps our handler for SIG_IGN, so
+    no moment is left between the two."""
     if _previous and signal.getsignal(signal.SIGINT) is _handler:
         handler, hook = _previous
-        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if final else handler)
         sys.unraisablehook = hook
         _previous.clear()

@@ -22,13 +22,14 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pulsediff.errors import CheckpointNotFoundError, InvalidManifestError, PulsediffError, refuse_existing
+from pulsediff.errors import (CheckpointNotFoundError, InvalidManifestError, NotInSeriesError, PulsediffError, UsageError,
+                              refuse_existing)
 from pulsediff.format.digest import checkpoint_digest
 from pulsediff.format.manifest import MANIFEST, Entry, Manifest, cheapest_paths, file_sha256
 from pulsediff.io.checkpoint import Checkpoint, TensorView
 from pulsediff.runtime.progress import SILENT, Progress
-from pulsediff.series.remote import open_store
-from pulsediff.series.store import Store, size_problem
+from pulsediff.series.remote import series_source
+from pulsediff.series.store import Folder, Store, size_problem
 
 MAX_SEARCHES = 32  # chains tried by one catch-up before damaged files make it give up
 
@@ -54,6 +55,9 @@ class CatchUpResult:
     from_anchor: bool
     skipped: list[str]  # files found missing or damaged on the way
     problems: dict[str, str] = field(default_factory=dict)  # skipped file -> what was wrong with it
+    newest: int | None = None  # the newest published step
+    stopped: str = ""  # "partial": why the newest step was not reached
+    replaced: bool = False  # the checkpoint was no step of the series, and was replaced from an anchor (force)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ def _where_we_are(checkpoint: Path, source: Store, progress: Progress, trust=Non
     """(manifest, the checkpoint's tensor ids or None, its digest or None)."""
     from pulsediff.ops.inspect import tensor_ids
 
+    _refuse_swapped(checkpoint, source)
     manifest = read_source_manifest(source, trust, record=record)
     if manifest is None or not manifest.entries:
         raise CheckpointNotFoundError(_shown(source, MANIFEST), "manifest")
@@ -86,6 +91,15 @@ def _where_we_are(checkpoint: Path, source: Store, progress: Progress, trust=Non
         with Checkpoint(checkpoint) as ckpt:
             ids = tensor_ids(TensorView(ckpt, manifest.precision), progress)
     return manifest, ids, checkpoint_digest(ids.values()) if ids is not None else None
+
+
+def _refuse_swapped(checkpoint: Path, source: Store) -> None:
+    """UsageError when the arguments came the other way round: a series folder given as the checkpoint,
+    and a SOURCE that holds no manifest (a checkpoint, or a name that is not there yet)."""
+    if (isinstance(source, Folder) and not (source.folder / MANIFEST).exists()
+            and (Path(checkpoint) / MANIFEST).is_file()):
+        raise UsageError(f"{checkpoint} is a series folder and {source.location} is not: the worker's checkpoint "
+                         f"comes first (pulsediff catch-up {source.location} {checkpoint})")
 
 
 def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
@@ -97,23 +111,27 @@ def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
 
 
 def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress: Progress = SILENT, trust=None,
-                  trust_state: Path | None = None) -> CatchUpPlan:
+                  trust_state: Path | None = None, force: bool = False) -> CatchUpPlan:
     """The files catch-up would apply, judged from the manifest alone (the files need not be here).
 
     For fetching only what is needed: a worker that mirrors the whole folder
     would also download every anchor, each nearly the size of the checkpoint.
     `urls` holds where each file is: its name for a folder (for `rsync
     --files-from`), its URL for a remote source. `trust`: as catch_up's (the
-    rollback record is checked, not written).
+    rollback record is checked, not written); `force`: as catch_up's in place
+    (a checkpoint that is no step of the series is planned from an anchor,
+    not refused).
     """
     from pulsediff.series.signing import as_trust
 
     trust = as_trust(trust, trust_state)
-    source = open_store(patch_dir)
+    source = series_source(patch_dir)
     manifest, _, have = _where_we_are(checkpoint, source, progress, trust, record=False)
     newest = manifest.newest
     if have == newest.target:
         return CatchUpPlan(newest.step, [], False)
+    if have is not None and not _in_series(manifest, have):
+        _refuse_stranger(Path(checkpoint), source, manifest, None, force)
     paths = cheapest_paths(manifest.entries, have)
     if not paths.reaches(newest.target):
         raise PulsediffError(f"the manifest in {source.location} has no chain from {checkpoint} to step {newest.step}")
@@ -126,7 +144,9 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
              trust_state: Path | None = None) -> CatchUpResult:
     """Bring `checkpoint` (or a new `out`) to the newest step published at `patch_dir`: a folder, an
     `s3://bucket/prefix` or `http(s)://` URL (files are fetched into `cache`), or a Store. An existing
-    `out` (other than `checkpoint`) is refused unless `force`.
+    `out` (other than `checkpoint`) is refused unless `force`. A `checkpoint` that is no step of the
+    series (another model, or a step older than those it keeps) raises NotInSeriesError rather than be
+    replaced from an anchor, unless `force` and no other `out`.
 
     `trust`: public keys (`ed25519:...` lines, files of them, or a signing.Trust). Then the manifest must
     be signed by one of them and not older than the newest accepted before from this source under any
@@ -140,12 +160,12 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
         out = Path(out)
         if not _same_path(out, checkpoint):
             refuse_existing(out, force)
-    source = open_store(patch_dir, cache=cache)
+    source = series_source(patch_dir, cache=cache)
     # A trusting worker reads a local folder's files through private copies (a remote source's through its
     # own cache): a file the folder's writer swaps after its check is never the one applied.
     private = PrivateCopies(cache) if trust is not None and not source.remote else None
     try:
-        return _catch_up(checkpoint, source, out, device, progress, trust, private)
+        return _catch_up(checkpoint, source, out, device, progress, trust, private, force)
     finally:
         if private is not None:
             private.close()
@@ -154,7 +174,8 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
 
 
 def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | None,
-              progress: Progress, trust=None, private: "PrivateCopies | None" = None) -> CatchUpResult:
+              progress: Progress, trust=None, private: "PrivateCopies | None" = None,
+              force: bool = False) -> CatchUpResult:
     from pulsediff.ops.apply import apply_chain
 
     manifest, ids, have = _where_we_are(checkpoint, source, progress, trust)
@@ -183,7 +204,11 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
             apply_chain(checkpoint, [used(newest.file)], out, device=device, progress=progress, base_ids=ids,
                         force=True, expect_target=expect(newest.target), expect_where=where)
             source.forget([newest.file], {e.file for e in manifest.entries})
-        return CatchUpResult("up-to-date", out_path, newest.step, [], False, [])
+        return CatchUpResult("up-to-date", out_path, newest.step, [], False, [], newest=newest.step)
+    stranger = ids is not None and not _in_series(manifest, have)
+    if stranger:
+        _refuse_stranger(checkpoint, source, manifest, out if out is not None and not _same_path(out, checkpoint)
+                         else None, force)
     problems = source.known_problems(manifest.entries)
     goal, chain = _intact_chain(manifest, have, [d for _, d in _goals(manifest, have)], source, check, problems,
                                 progress)
@@ -204,9 +229,40 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
     # Worth saying: what was found wrong, and files missing from the chain the manifest itself points to
     # (a worker that fetched only its plan lacks every other file, and that is no news).
     planned = cheapest_paths(manifest.entries, have)
-    expected = {e.file for e in planned.path_to(newest.target)} if planned.reaches(newest.target) else set()
+    expected = [e.file for e in planned.path_to(newest.target)] if planned.reaches(newest.target) else []
     problems = {f: why for f, why in problems.items() if why != "missing" or f in expected}
-    return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems)
+    stopped = "" if status == "applied" else _stopped(problems, expected, newest.step)
+    return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems,
+                         newest.step, stopped, stranger)
+
+
+def _stopped(problems: dict[str, str], planned: list[str], newest: int) -> str:
+    """Why a catch-up fell short, in a few words: the first file of the planned chain found wrong (the
+    one the worker would have used), and how many others were."""
+    if not problems:
+        return f"no intact chain reaches step {newest}"
+    first = next((f for f in planned if f in problems), min(problems))
+    n = len(problems) - 1
+    more = f" (and {n} more {'file' if n == 1 else 'files'} missing or damaged)" if n else ""
+    return f"{first}: {problems[first]}{more}"
+
+
+def _in_series(manifest: Manifest, digest: str) -> bool:
+    """Whether a checkpoint with this digest is one of the series' steps (or the base of one of its patches)."""
+    return any(digest in (e.target, e.base if e.kind == "patch" else None) for e in manifest.entries)
+
+
+def _refuse_stranger(checkpoint: Path, source: Store, manifest: Manifest, out: Path | None, force: bool) -> None:
+    """A checkpoint the manifest does not list would be replaced wholesale from an anchor: only with force, in
+    place. Written to another `out`, it would not be the worker's model moved on, whatever the flags."""
+    what = (f"{checkpoint} is not a step of the series in {source.location} (the manifest lists no step with its "
+            f"digest: another model, or a step older than those the series keeps)")
+    if out is not None:
+        raise NotInSeriesError(f"{what}; to build {out} from an anchor, catch up {out} on its own "
+                               f"(pulsediff catch-up {out} {source.location})")
+    if not force:
+        raise NotInSeriesError(f"{what}; give -f/--force (force=True) to replace it with step "
+                               f"{manifest.newest.step}, rebuilt from an anchor")
 
 
 def _intact_chain(manifest: Manifest, have: str | None, goals: list[str], source: Store, check, problems: dict,
@@ -331,7 +387,7 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
     from pulsediff.series.signing import as_trust
 
     trust = as_trust(trust, trust_state)
-    store = open_store(source, cache=cache)
+    store = series_source(source, cache=cache)
     private = None
     try:
         where = _shown(store, MANIFEST)

@@ -106,6 +106,20 @@ def open_store(spec: "str | os.PathLike | Store", *, cache: Path | None = None) 
     return ObjectStoreSource(spec, cache)
 
 
+def series_source(spec: "str | os.PathLike | Store", *, cache: Path | None = None) -> "Store":
+    """open_store for a series to read: a path or URL that names the series' manifest.json (what a
+    user copies from a listing) stands for its folder, as `vllm-sync` takes it."""
+    if isinstance(spec, Store):
+        return spec
+    if is_remote(spec):
+        parts = urlsplit(spec)
+        if parts.path.endswith("/" + MANIFEST) and not parts.query and not parts.fragment:
+            spec = spec[: -len("/" + MANIFEST)]
+    elif Path(spec).name == MANIFEST and not Path(spec).is_dir():
+        spec = Path(spec).parent
+    return open_store(spec, cache=cache)
+
+
 def default_cache(url: str) -> Path:
     """~/.cache/pulsediff/<host>-<hash of the URL>: one folder per source."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pulsediff"

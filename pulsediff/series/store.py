@@ -29,7 +29,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from pulsediff.format.manifest import MANIFEST, MAX_MANIFEST_BYTES, Entry, Manifest, parse_manifest, read_small_file
+from pulsediff.errors import OutsideLinkError
+from pulsediff.format.manifest import (MANIFEST, MAX_MANIFEST_BYTES, Entry, Manifest, outside, parse_manifest,
+                                       read_small_file, within)
 from pulsediff.runtime.progress import SILENT, Progress
 
 Check = Callable[[Path, Entry], "str | None"]
@@ -115,13 +117,20 @@ class Folder(Store):
     def where(self, name: str) -> str:
         return name  # relative: `catch-up --plan | rsync --files-from=-` reads names
 
+    # Like rsync's --safe-links: a file of the folder that is a symbolic link out of it is refused (one
+    # that stays inside is followed). Checked by name before a file is opened, and again on the
+    # descriptor (format.manifest.outside).
+
+    def root(self) -> str:
+        return os.path.realpath(self.folder)
+
     def read_manifest_bytes(self) -> bytes | None:
-        return read_small_file(self.folder / MANIFEST, MAX_MANIFEST_BYTES)
+        return read_small_file(self.folder / MANIFEST, MAX_MANIFEST_BYTES, root=self.root())
 
     def read_signature(self) -> bytes | None:
         from pulsediff.series.signing import MAX_SIGNATURE_BYTES, SIGNATURE_NAME
 
-        return read_small_file(self.folder / SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+        return read_small_file(self.folder / SIGNATURE_NAME, MAX_SIGNATURE_BYTES, root=self.root())
 
     def staging(self) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -153,7 +162,26 @@ class Folder(Store):
         return {e.file: why for e in entries if (why := size_problem(self.folder / e.file, e)) is not None}
 
     def fetch(self, entries: list[Entry], check: Check, progress: Progress = SILENT) -> dict[str, str]:
+        root = self.root()
+        for e in entries:
+            self._refuse_outside(self.folder / e.file, root)
         return {e.file: why for e in entries if (why := check(self.folder / e.file, e)) is not None}
+
+    @staticmethod
+    def _refuse_outside(path: Path, root: str) -> None:
+        real = os.path.realpath(path)
+        if not within(real, root):
+            raise OutsideLinkError(str(path), real)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return  # missing or unreadable: the check says so
+        try:
+            real = outside(fd, path, root)
+        finally:
+            os.close(fd)
+        if real is not None:
+            raise OutsideLinkError(str(path), real)
 
     def path(self, name: str) -> Path:
         return self.folder / name
