@@ -23,7 +23,8 @@ def publish(
     anchor_every: Annotated[int, typer.Option("--anchor-every", help="Write a full anchor every N steps.")] = 10,
     keep: Annotated[Optional[int], typer.Option("--keep", help="Keep only the newest N anchors and what follows them.")] = None,
     skips: Annotated[bool, typer.Option("--skips/--no-skips", help="Also write skip patches (from 2, 4, 8, ... steps back) so that catch-up needs few links.")] = True,
-    watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear (TRAIN_DIR "
+                   "may be empty at first: the trainer has not saved yet).")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
     idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many "
                          "seconds with no new checkpoint, counted from the start (a first checkpoint being written "
