@@ -93,7 +93,7 @@ def test_a_trainer_folder_with_the_final_model_beside_its_checkpoints(train, tmp
 def test_an_empty_folder_is_an_error_not_up_to_date(tmp_path):
     (tmp_path / "empty").mkdir()
     line = one_line_error(run("publish", tmp_path / "empty", tmp_path / "out"))
-    assert line == f"pulsediff: error: no checkpoints found in {tmp_path / 'empty'} (it is empty)"
+    assert line == f"pulsediff: error: no checkpoints found in {tmp_path / 'empty'}; it is empty"
     assert not (tmp_path / "out").exists()
     line = one_line_error(run("publish", tmp_path / "empty", tmp_path / "out", "--dry-run"))
     assert "no checkpoints found" in line
@@ -110,12 +110,18 @@ def test_checkpoints_one_level_down_are_pointed_at(train, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_files_without_a_step_in_their_names_are_named(tmp_path):
+def test_what_a_folder_without_checkpoints_holds_is_said(tmp_path):
     folder = tmp_path / "run"
-    folder.mkdir()
+    (folder / "logs").mkdir(parents=True)
+    line = one_line_error(run("publish", folder, tmp_path / "out"))
+    assert f"no checkpoints found in {folder}; a checkpoint is a .safetensors file or a folder of them" in line
     (folder / "final.safetensors").write_bytes(b"")
     line = one_line_error(run("publish", folder, tmp_path / "out"))
-    assert f"no checkpoints found in {folder} (no step number in the name of final.safetensors" in line
+    assert f"no checkpoints found in {folder}; no step number in the name of final.safetensors" in line
+    (folder / "step_7.safetensors").write_bytes(b"not a checkpoint")
+    line = one_line_error(run("publish", folder, tmp_path / "out", "--settle", "0"))
+    assert f"no checkpoints found in {folder}; step_7.safetensors does not open as a checkpoint" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_folder_whose_steps_were_all_published_is_still_up_to_date(train, tmp_path):
@@ -138,7 +144,8 @@ def test_watch_on_a_folder_that_never_gets_a_checkpoint_ends_with_idle_exit(tmp_
         pytest.fail("publish --watch --idle-exit 2 on an empty folder did not end")
     assert time.monotonic() - t0 >= 2
     line = one_line_error(proc)
-    assert line == f"pulsediff: error: no checkpoints found in {tmp_path / 'empty'} in 2 s of --watch (--idle-exit) (it is empty)"
+    assert line == (f"pulsediff: error: no checkpoints found in {tmp_path / 'empty'} in 2 s of --watch "
+                    f"(--idle-exit); it is empty")
     assert not (tmp_path / "out").exists()
 
 

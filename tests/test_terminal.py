@@ -173,4 +173,5 @@ def test_publish_shows_a_bar_per_file_on_a_terminal(tmp_path):
     text = "\n".join(screen_lines(out))
     for name in ("anchor 0", "patch 0 to 1", "check 1"):
         assert name in text, text
+    assert " 0/0 " not in text, text  # no bar for hashing an anchor's empty base
     assert text.rstrip().endswith(f"published steps 0 to 1 into {tmp_path / 'pub'}: 1 patch and 1 anchor"), text

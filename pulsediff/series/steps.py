@@ -82,16 +82,16 @@ def no_checkpoints(train_dir: Path, pattern: str = DEFAULT_STEP_PATTERN, skipped
     unnamed = sorted(p.name for p in _entries(train_dir) if p.suffix == ".safetensors" and not p.name.startswith("."))
     if below:
         more = f" and {len(below) - 1} other folder{'s' if len(below) > 2 else ''}" if len(below) > 1 else ""
-        message += f"; found some one level down in {below[0]}{more}: give {'that folder' if not more else 'one of them'}"
+        message += f"; found some one level down in {below[0]}{more}: give {'one of them' if more else 'that folder'}"
     elif skipped:
-        message += f" ({_some(sorted(skipped))} {'does' if len(skipped) == 1 else 'do'} not open as a checkpoint)"
+        message += f"; {_some(sorted(skipped))} {'does' if len(skipped) == 1 else 'do'} not open as a checkpoint"
     elif unnamed:
-        message += f" (no step number in the name of {_some(unnamed)}; see --step-pattern)"
+        message += f"; no step number in the name of {_some(unnamed)} (see --step-pattern)"
     elif not any(not p.name.startswith(".") for p in _entries(train_dir)):
-        message += " (it is empty)"
+        message += "; it is empty"
     else:  # what publish looks for, for a folder of other things
-        message += (" (a checkpoint is a .safetensors file or a folder of them, its step in its name: "
-                    "step_N.safetensors, checkpoint-N/)")
+        message += ("; a checkpoint is a .safetensors file or a folder of them, with its step in its name: "
+                    "step_N.safetensors, checkpoint-N/")
     return TrainingFolderError(str(train_dir), message)
 
 
