@@ -40,8 +40,7 @@ from pulsediff.format.manifest import MANIFEST, Entry, Manifest, file_sha256
 from pulsediff.io.atomic import TMP_SUFFIX, temp_prefix
 from pulsediff.runtime.progress import SILENT, Progress
 from pulsediff.series.steps import (DEFAULT_SETTLE, DEFAULT_STEP_PATTERN, READY_RULES, checkpoint_candidates,
-                                    fingerprint_or_none, no_checkpoints, not_ready,
-                                    one_checkpoint, parses)
+                                    fingerprint_or_none, no_checkpoints, not_ready, one_checkpoint, parses)
 from pulsediff.series.remote import open_store
 from pulsediff.series.store import Store
 
