@@ -256,6 +256,15 @@ class AmbiguousStepError(PulsediffError, ValueError):
                          "away, or give --step-pattern to read the step from the names differently")
 
 
+class TrainingFolderError(PulsediffError, ValueError):
+    """A folder given as a trainer's folder (publish's TRAIN_DIR) that holds no checkpoint to publish:
+    empty, its checkpoints one level down, or itself one checkpoint (a model folder). `reason` is the line."""
+
+    def __init__(self, folder: str, reason: str):
+        self.folder, self.reason = folder, reason
+        super().__init__(reason)
+
+
 class MissingExtraError(PulsediffError, ImportError):
     """A feature asked for needs an optional package that is not installed (exit 1: the command was right)."""
 

@@ -88,6 +88,11 @@ def pipeline(tmp_path_factory):
     worker = root / "worker.safetensors"
     (root / "trainer.py").write_text(TRAINER)
     trainer = subprocess.Popen([sys.executable, str(root / "trainer.py"), str(train), str(STEPS)])
+    # --idle-exit counts from the start while train/ is empty: the publisher starts once the trainer (torch's
+    # import and warm-up, seconds on a busy machine) has saved, as a user would give it more time otherwise.
+    deadline = time.monotonic() + 120
+    while not any(train.iterdir()) and trainer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     publisher = subprocess.Popen([*PULSEDIFF, "publish", str(train), str(pub), "--watch", "--interval", "0.2",
                                   "--idle-exit", "4", "--anchor-every", "3", "-q"])
     catch_ups = 0

@@ -158,3 +158,20 @@ def test_a_fresh_worker_shows_no_empty_bar(tmp_path):
     text = "\n".join(screen_lines(out))
     assert "is now at step 1" in text
     assert " 0/0 " not in text, text
+
+
+def test_publish_shows_a_bar_per_file_on_a_terminal(tmp_path):
+    """An anchor of a big model takes minutes: publish shows make's bar, named for the file it writes."""
+    from ckpt_factory import save_series
+
+    train = tmp_path / "train"
+    train.mkdir()
+    save_series(train, 1, seed=4, shape=(64, 32), tensors=2, density=0.02)
+    code, out = on_pty(["publish", train, tmp_path / "pub", "--settle", "0"])
+    assert code == 0, out
+    assert out.count(HIDE) >= 1 and out.count(SHOW) == out.count(HIDE), out[-2000:]
+    text = "\n".join(screen_lines(out))
+    for name in ("anchor 0", "patch 0 to 1", "check 1"):
+        assert name in text, text
+    assert " 0/0 " not in text, text  # no bar for hashing an anchor's empty base
+    assert text.rstrip().endswith(f"published steps 0 to 1 into {tmp_path / 'pub'}: 1 patch and 1 anchor"), text

@@ -15,7 +15,8 @@ from pulsediff.cli.output import Output, plural
 
 
 def publish(
-    train_dir: Annotated[Path, typer.Argument(help="Folder where the trainer writes checkpoints (step number in each name).")],
+    train_dir: Annotated[Path, typer.Argument(help="Folder where the trainer writes checkpoints, one per step (a "
+                         "file or folder with the step number in its name); not one checkpoint's own folder.")],
     out_dir: Annotated[str, typer.Argument(metavar="DEST", help="Folder to fill with patches, anchors and manifest.json "
                        "(rsync it), or s3://bucket/prefix (endpoint, region and keys from the AWS_* variables or "
                        "AWS_PROFILE).")],
@@ -26,9 +27,12 @@ def publish(
     no_skips: Annotated[bool, typer.Option("--no-skips", help="Write no skip patches (from 2, 4, 8, ... steps back; "
                                            "they let catch-up take few links).")] = False,
     _skips: Annotated[bool, typer.Option("--skips", hidden=True)] = True,
-    watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear (TRAIN_DIR "
+                   "may be empty at first: the trainer has not saved yet).")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
-    idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many seconds with no new checkpoint.")] = None,
+    idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many "
+                         "seconds with no new checkpoint, counted from the start (a first checkpoint being written "
+                         "is waited for); exit 1 if TRAIN_DIR never held one.")] = None,
     pattern: Annotated[Optional[str], typer.Option("--step-pattern", help="Regex whose first matching group is the step "
                        "number in a name. Default: the number after 'step', else the last number.")] = None,
     ready: Annotated[Literal["stable", "marker"], typer.Option("--ready", metavar="WHEN", help="When a checkpoint is complete: stable (its files unchanged for "
@@ -65,7 +69,7 @@ def publish(
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
                 anchor_every=anchor_every, keep=keep, skips=not no_skips, precision=precision, codec=codec, device=device,
                 pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, sign=sign, trust=trust or None,
-                trust_state=trust_state, **({"dry_run": True} if dry_run else {}))
+                trust_state=trust_state, progress=out.progress(), **({"dry_run": True} if dry_run else {}))
     if as_json:
         out.json({"out_dir": str(out_dir), "steps": total.steps, "patches": total.patches, "anchors": total.anchors,
                   "pruned": total.pruned,

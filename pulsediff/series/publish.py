@@ -40,7 +40,7 @@ from pulsediff.format.manifest import MANIFEST, Entry, Manifest, file_sha256
 from pulsediff.io.atomic import TMP_SUFFIX, temp_prefix
 from pulsediff.runtime.progress import SILENT, Progress
 from pulsediff.series.steps import (DEFAULT_SETTLE, DEFAULT_STEP_PATTERN, READY_RULES, checkpoint_candidates,
-                                    fingerprint_or_none, not_ready, parses)
+                                    fingerprint_or_none, no_checkpoints, not_ready, one_checkpoint, parses)
 from pulsediff.series.remote import open_store
 from pulsediff.series.store import Store
 
@@ -57,6 +57,7 @@ class PublishReport:
     skipped: dict[str, str] = field(default_factory=dict)  # named like a step, complete, but no checkpoint
     would_write: list[str] = field(default_factory=list)  # dry run: the files a real run would publish, in order
     would_prune: list[str] = field(default_factory=list)  # dry run: the files --keep would delete
+    found: int = 0  # checkpoints in the training folder, published or not (those skipped not counted)
 
     @property
     def settling(self) -> bool:
@@ -67,7 +68,7 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
                  skips: bool = True, precision: str = "exact", codec: str | None = None, device: str | None = None,
                  pattern: str = DEFAULT_STEP_PATTERN, ready: str = "stable", settle: float = DEFAULT_SETTLE,
                  progress: Progress = SILENT, dry_run: bool = False, sign=None, trust=None,
-                 trust_state: Path | None = None) -> PublishReport:
+                 trust_state: Path | None = None, empty_ok: bool = False) -> PublishReport:
     """Publish every complete checkpoint newer than the manifest's newest step, in step order.
 
     Stops at the first step that is not complete yet (see above), so steps are
@@ -80,6 +81,9 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
     key, while rotating), and is checked against the rollback record in
     `trust_state` as a worker's would be. Without `sign`, a signed series is
     refused (an unsigned manifest there would lock out every trusting worker).
+    A training folder without a checkpoint raises TrainingFolderError, unless
+    `empty_ok` (a watch started before its trainer saved): then the report's
+    `found` is 0. A folder that is one checkpoint is refused either way.
     """
     if anchor_every < 1:
         raise UsageError("--anchor-every must be at least 1")
@@ -95,7 +99,7 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
     try:
         return _publish_once(train_dir, dest, anchor_every=anchor_every, keep=keep, skips=skips, precision=precision,
                              codec=codec, device=device, pattern=pattern, ready=ready, settle=settle, progress=progress,
-                             dry_run=dry_run, signing=signing)
+                             dry_run=dry_run, signing=signing, empty_ok=empty_ok)
     finally:
         if dest is not out_dir:
             dest.close()
@@ -170,14 +174,14 @@ def _save_manifest(dest: Store, manifest: Manifest, signing: "_Signing | None") 
 
 
 def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, precision, codec, device, pattern, ready,
-                  settle, progress, dry_run=False, signing=None) -> PublishReport:
+                  settle, progress, dry_run=False, signing=None, empty_ok=False) -> PublishReport:
     from pulsediff.ops.inspect import checkpoint_digest_of
     from pulsediff.ops.make import make_patch
 
     manifest = _read_dest_manifest(dest, signing) or Manifest(precision, [])
     if manifest.precision != precision:
         raise UsageError(f"{dest.location} holds {manifest.precision} patches; publish with --precision {manifest.precision}")
-    kwargs = {"precision": precision, "device": device, "progress": progress}
+    kwargs = {"precision": precision, "device": device}
     if codec:
         kwargs["codec"] = codec
     report = PublishReport()
@@ -233,14 +237,15 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
             for kind, name, base_path, from_step in planned:
                 tmp = staging / f"{temp_prefix(staging / name)}staged{TMP_SUFFIX}"
                 staged.append((tmp, name))
-                header = make_patch(base_path, path, tmp, **kwargs)
+                what = f"anchor {step}" if from_step is None else f"patch {from_step} to {step}"
+                header = make_patch(base_path, path, tmp, progress=_Named(progress, what), **kwargs)
                 if from_step is not None and digest_at.get(from_step, header.base_digest) != header.base_digest:
                     raise PulsediffError(f"{base_path} changed after step {from_step} was published; "
                                          f"its digest is no longer the one in {dest.shown(MANIFEST)}")
                 new_entries.append(Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
                                          tmp.stat().st_size, header.target_bytes, file_sha256(tmp)))
             # The second look: the checkpoint read while making the patches must be the one there now.
-            again = checkpoint_digest_of(path, precision)
+            again = checkpoint_digest_of(path, precision, _Named(progress, f"check {step}"))
             if fingerprint_or_none(path) != before or any(e.target != again for e in new_entries):
                 report.pending[path.name] = "settling"  # it changed while we read it: try again later
                 break
@@ -257,12 +262,34 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         steps_done.append(step)
         digest_at[step] = new_entries[0].target
         prev, last_step = path, step
+    report.found = len(candidates) - len(report.skipped)
+    if not report.found:
+        # An empty folder is a watch's normal start; one that is itself a checkpoint is refused even then.
+        error = one_checkpoint(train_dir, pattern) if empty_ok else no_checkpoints(train_dir, pattern, report.skipped)
+        if error is not None:
+            raise error
     if keep is not None and dry_run:
         report.would_prune = _to_prune(planned_kinds, keep)
     elif keep is not None:
         report.pruned = _prune(manifest, dest, keep, signing)
     return report
 
+
+
+class _Named(Progress):
+    """Another's progress, each bar named for the file or step publish is at ("anchor 10", not "make")."""
+
+    def __init__(self, progress: Progress, name: str):
+        self.progress, self.name = progress, name
+
+    def begin(self, description, total_bytes, total_tensors, unit="tensors"):
+        self.progress.begin(self.name, total_bytes, total_tensors, unit)
+
+    def advance(self, nbytes, tensors=1):
+        self.progress.advance(nbytes, tensors)
+
+    def end(self):
+        self.progress.end()
 
 
 def _to_prune(entries: list[tuple[str, int, str]], keep: int) -> list[str]:
@@ -296,9 +323,11 @@ def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = Fal
     Without `watch`, it still waits (up to ONE_SHOT_WAIT s) for checkpoints
     that are only settling, so that publishing right after a trainer exits
     takes its last steps. `idle_exit` stops the watch that many seconds after
-    the last new checkpoint; the clock starts once something has been
-    published, so a publisher started before its trainer waits for the first
-    checkpoint. The returned report's `pending` says what is not published.
+    the start or the last step published, whichever is later; a first
+    checkpoint that is still being written is waited for. A watch that ends so
+    without ever seeing a checkpoint raises TrainingFolderError, as a look
+    without `watch` does at once: a wrong folder, or a trainer that never
+    saved. The returned report's `pending` says what is not published.
     """
     if kwargs.get("dry_run"):
         if watch:
@@ -318,19 +347,25 @@ def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = Fal
 
 def _publish_loop(train_dir, dest: Store, watch, interval, idle_exit, on_report, kwargs) -> PublishReport:
     total = PublishReport()
-    last_change = time.monotonic() if dest.read_manifest_bytes() is not None else None
     started = time.monotonic()
+    last_change = started if dest.read_manifest_bytes() is not None else None
     while True:
-        report = publish_once(train_dir, dest, **kwargs)
+        report = publish_once(train_dir, dest, empty_ok=watch, **kwargs)
         for name in ("patches", "anchors", "pruned", "steps"):
             setattr(total, name, getattr(total, name) + getattr(report, name))
-        total.pending, total.skipped = report.pending, report.skipped
+        total.pending, total.skipped, total.found = report.pending, report.skipped, report.found
         if report.patches or report.anchors:
             last_change = time.monotonic()
             if on_report:
                 on_report(report)
         if watch:
-            if last_change is not None and idle_exit is not None and time.monotonic() - last_change >= idle_exit:
+            # Idle since the start while the folder holds no checkpoint (a watch on an empty or wrong folder
+            # ends), but not while a first checkpoint is being written: a trainer's first save may take long.
+            since = last_change if last_change is not None else started if not report.found else None
+            if since is not None and idle_exit is not None and time.monotonic() - since >= idle_exit:
+                if not report.found and not total.steps:
+                    raise no_checkpoints(train_dir, kwargs.get("pattern", DEFAULT_STEP_PATTERN), report.skipped,
+                                         waited=idle_exit)
                 return total
         elif not report.settling or time.monotonic() - started >= ONE_SHOT_WAIT:
             return total
