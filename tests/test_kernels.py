@@ -477,3 +477,62 @@ def test_cpu_parallel_map_never_returns_while_a_task_still_runs(monkeypatch):
         threads.parallel_map(task, [(i,) for i in range(4)])
         time.sleep(1)  # not reached if the interrupt landed in the wait, as intended
     assert buf.tolist() == [1, 1, 1, 1]
+
+
+# --- locate_ranked on one thread (the whole-tensor walk without class counts) -----------------
+
+
+@pytest.mark.parametrize("dtype,shift,mask", [(np.uint16, 7, 255), (np.uint32, 23, 255), (np.uint64, 52, 2047),
+                                              (np.uint8, 3, 15), (np.uint16, 0, 0)])
+def test_one_thread_locate_ranked_matches_the_range_walk_and_the_reference(dtype, shift, mask):
+    """The CPU's locate_ranked on a worker thread (one walk, sizes from where the countdowns end)
+    gives what its range-parallel form and the reference give, bit for bit, on real entries.
+    On hostile ones (a rank past its class, a repeated, a falling and a negative rank) both
+    find fewer than all (the caller refuses the patch), what they find is where it lies, and
+    the sizes are still the base's class sizes. (After a falling rank the range walks may pick
+    up the class again at a range's start, the one walk does not: both refuse.)"""
+    from reference import classes_ref, diff_ranks_ref, ranked_positions_ref
+    from test_class_sort import class_major, few_classes
+
+    from pulsediff.kernels import cpu, threads
+
+    rng = np.random.default_rng(int(np.dtype(dtype).itemsize * 100 + shift))
+    for n in (1, 37, 5000):
+        base = few_classes(rng, n, dtype, shift, mask)
+        new = base.copy()
+        pick = rng.random(n) < 0.05
+        pick[rng.integers(0, n)] = True
+        new[pick] = (base[pick] ^ dtype(1)).astype(dtype)
+        _, classes, ranks, sizes = diff_ranks_ref(base, new, shift, mask)
+        offsets, ranks_cm = class_major(classes, ranks, mask)
+        true_sizes = np.bincount(classes_ref(base, shift, mask), minlength=mask + 1)
+        cases = [ranks_cm]
+        for edit in range(4):
+            hostile = ranks_cm.copy()
+            e = int(rng.integers(0, hostile.size))
+            c = int(np.searchsorted(offsets, e, side="right") - 1)
+            hostile[e] = [true_sizes[c] + 3, hostile[max(e - 1, offsets[c])], hostile[e] - 2, -1][edit]
+            if edit == 2 and e + 1 < offsets[c + 1]:
+                hostile[e] = hostile[e + 1] + 1  # falls back after its successor
+            if not np.array_equal(hostile, ranks_cm):  # a repeat of a class's first entry is no edit
+                cases.append(hostile)
+        for case in cases:
+            spread = cpu.locate_ranked(base, shift, mask, offsets, case)
+            with threads.inline():
+                assert threads.serial()
+                one = cpu.locate_ranked(base, shift, mask, offsets, case)
+            np.testing.assert_array_equal(one[2], true_sizes)
+            np.testing.assert_array_equal(spread[2], true_sizes)
+            valid = all((np.diff(case[offsets[k]:offsets[k + 1]]) > 0).all()
+                        and (case[offsets[k]:offsets[k + 1]] >= 0).all()
+                        and (case[offsets[k]:offsets[k + 1]] < true_sizes[k]).all() for k in range(mask + 1))
+            if valid:  # the edit left a valid list (e.g. a first rank lowered)
+                want, found = ranked_positions_ref(base, shift, mask, offsets, case)
+                np.testing.assert_array_equal(one[0], want)
+                np.testing.assert_array_equal(spread[0], want)
+                assert one[1] == spread[1] == found == case.size
+            else:  # refused either way (found short of the count); what is found is where it lies
+                assert one[1] < case.size and spread[1] < case.size
+                hit = one[0] >= 0
+                assert int(hit.sum()) == one[1]
+                np.testing.assert_array_equal(one[0][hit], spread[0][hit])

@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 from numba import njit
 
-from pulsediff.kernels.threads import Turns, num_threads, parallel_map
+from pulsediff.kernels.threads import Turns, num_threads, parallel_map, serial
 
 # A tensor is cut into at least this many ranges per thread (so a thread the OS
 # slows down simply takes fewer of them), each at least _MIN_CHUNK elements
@@ -710,8 +710,50 @@ def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, r
     return done
 
 
+@njit(cache=True, nogil=True)
+def _locate_whole(base, shift, mask, class_offsets, ranks, where, sizes):
+    # The countdown walk of the whole tensor from zero counts, on one thread: no class
+    # histogram first (that pass only lets ranges start mid-tensor). The class sizes come
+    # from where each countdown ended: a class's count before its next listed entry is that
+    # entry's rank minus what is left of the countdown (also for ranks that do not rise).
+    ncls = mask + 1
+    ptr, down = _class_countdowns(np.zeros(ncls, np.int64), class_offsets, ranks, ncls)
+    first = ptr.copy()
+    done = 0
+    for i in range(base.size):
+        k = np.uint64((np.int64(base[np.uint64(i)]) >> shift) & mask)
+        e = down[k]
+        down[k] = e - 1
+        if e == 0:
+            p = ptr[k]
+            where[p] = i
+            r = ranks[p]
+            p += 1
+            ptr[k] = p
+            down[k] = ranks[p] - r - 1 if p < class_offsets[k + _U1] else _NEVER
+            done += 1
+    for k in range(ncls):
+        p = ptr[k]
+        if p < class_offsets[k + 1]:
+            sizes[k] = ranks[p] - down[k]
+        elif p > first[k]:  # past the last listed entry, at rank ranks[p - 1]
+            sizes[k] = ranks[p - 1] + 1 + (_NEVER - down[k])
+        else:
+            sizes[k] = _NEVER - down[k]
+    return done
+
+
 def locate_ranked(base, shift, mask, class_offsets, ranks) -> tuple[np.ndarray, int, np.ndarray]:
-    """The entries' positions (-1: not found), how many were found, and the class sizes."""
+    """The entries' positions (-1: not found), how many were found, and the class sizes.
+
+    Spread over the worker threads: class counts per range, then the ranges' walks. On one
+    thread (a caller that runs tensors side by side, each on a worker: threads.serial()):
+    one walk of the whole tensor, without the counting pass."""
+    if serial() and base.size:
+        where = np.full(ranks.size, -1, np.int64)
+        sizes = np.zeros(mask + 1, np.int64)
+        found = _locate_whole(base, shift, mask, class_offsets, ranks, where, sizes)
+        return where, int(found), sizes
     starts, sizes = chunk_class_starts(base, shift, mask)
     where, found = ranked_positions(base, shift, mask, starts, class_offsets, ranks)
     return where, found, sizes

@@ -89,6 +89,12 @@ class inline:
         _inside.active = self._was
 
 
+def serial() -> bool:
+    """Whether parallel_map runs inline here: on a worker thread, inside `inline()`, or with one
+    thread. A kernel may then choose a one-thread algorithm over its range-parallel one."""
+    return bool(getattr(_inside, "active", False)) or num_threads() == 1
+
+
 def parallel_map(fn: Callable[..., T], items: Sequence) -> list[T]:
     """[fn(*item) for item in items], run on the worker threads; results in order.
 
@@ -97,7 +103,7 @@ def parallel_map(fn: Callable[..., T], items: Sequence) -> list[T]:
     The first exception is raised once every task has finished, so no task is
     still writing into the caller's buffers when it returns.
     """
-    if len(items) <= 1 or getattr(_inside, "active", False) or num_threads() == 1:
+    if len(items) <= 1 or serial():
         return [fn(*item) for item in items]
     futures = [pool().submit(fn, *item) for item in items]
     try:

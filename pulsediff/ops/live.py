@@ -440,42 +440,52 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
             != header.target_digest:
         raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
     read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
-    scratch = Scratch()
     names, elements, counts = set(), 0, {}
+
+    def place(rec, payload, decoded, scratch) -> int:
+        """One tensor's section written into its view, logged in `undo` first and checked by
+        its target sum after; returns the elements it changed."""
+        view = views[rec.name]
+        kernels = _kernels_for(view)
+        ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
+        codec = get_codec(rec.section.codec)
+        located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
+            if rec.op == "patch" else None
+        if located is not None:
+            positions, deltas = located
+            count = rec.changed
+            entry = _Undo(rec.name, view, positions)
+            undo.append(entry)
+            entry.old, bad = kernels.add_at(view, positions, deltas)
+            if bad:  # cannot happen once every entry was found; the kernel checks all the same
+                raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
+        else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
+            base = _host_copy(view) if rec.op == "patch" else None
+            new = rebuild_tensor(rec, payload, base, _kernels_for(np.empty(0)), reader.source, scratch)
+            if base is None:
+                entry = _Undo(rec.name, view, None)
+                undo.append(entry)
+                entry.old = _host_copy(view)
+                count = int(np.count_nonzero(new != entry.old))
+                _overwrite(view, new)
+            else:
+                positions = np.flatnonzero(new != base)
+                count = int(positions.size)
+                entry = _Undo(rec.name, view, positions, base[positions])
+                undo.append(entry)
+                kernels.scatter(view, positions, new[positions])
+        if kernels.word_sum(view) != int(rec.target_sum, 16):
+            raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
+        return count
+
     # sections in order (works on streams); the generator is closed, its pool joined, on any exit
     with contextlib.closing(_decoded_ahead(records, reader, aliases)) as sections:
-        for rec, payload, decoded in sections:
-            view = views[rec.name]
-            kernels = _kernels_for(view)
-            ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
-            codec = get_codec(rec.section.codec)
-            located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
-                if rec.op == "patch" else None
-            if located is not None:
-                positions, deltas = located
-                count = rec.changed
-                entry = _Undo(rec.name, view, positions)
-                undo.append(entry)
-                entry.old, bad = kernels.add_at(view, positions, deltas)
-                if bad:  # cannot happen once every entry was found; the kernel checks all the same
-                    raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
-            else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
-                base = _host_copy(view) if rec.op == "patch" else None
-                new = rebuild_tensor(rec, payload, base, _kernels_for(np.empty(0)), reader.source, scratch)
-                if base is None:
-                    entry = _Undo(rec.name, view, None)
-                    undo.append(entry)
-                    entry.old = _host_copy(view)
-                    count = int(np.count_nonzero(new != entry.old))
-                    _overwrite(view, new)
-                else:
-                    positions = np.flatnonzero(new != base)
-                    count = int(positions.size)
-                    entry = _Undo(rec.name, view, positions, base[positions])
-                    undo.append(entry)
-                    kernels.scatter(view, positions, new[positions])
-            if kernels.word_sum(view) != int(rec.target_sum, 16):
-                raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
+        if _side_by_side(views):
+            placed = _placed_side_by_side(sections, place)
+        else:
+            scratch = Scratch()
+            placed = ((rec, place(rec, payload, decoded, scratch)) for rec, payload, decoded in sections)
+        for rec, count in placed:
             known[rec.name] = int(rec.target_sum, 16)
             counts[rec.name] = count
             if count:
@@ -491,6 +501,39 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
             names.add(alias)
             elements += counts[name]
     return _Step("applied", header.target_digest, names, elements)
+
+
+def _side_by_side(views: Mapping) -> bool:
+    """Whether tensors are placed side by side, one per worker thread, each walked on its thread
+    alone (the CPU's one-pass walk, without the class counts a range-parallel walk needs)."""
+    from pulsediff.kernels import cpu_backend
+
+    return len(views) > 1 and all(isinstance(v, np.ndarray) for v in views.values()) \
+        and cpu_backend().side_by_side() > 0
+
+
+def _placed_side_by_side(sections, place):
+    """(record, elements changed) for each section, in order, placed by `place` on the worker
+    threads, as many at once as there are threads. A failure is raised once every placement
+    that started has finished, so none still writes while the caller rolls back."""
+    from collections import deque
+    from concurrent.futures import wait
+
+    from pulsediff.codecs.base import Scratch
+    from pulsediff.kernels.threads import num_threads, pool
+
+    running: deque = deque()
+    try:
+        for rec, payload, decoded in sections:
+            running.append((rec, pool().submit(place, rec, payload, decoded, Scratch())))
+            if len(running) >= num_threads():
+                rec0, future = running.popleft()
+                yield rec0, future.result()
+        while running:
+            rec0, future = running.popleft()
+            yield rec0, future.result()
+    finally:
+        wait([future for _, future in running])
 
 
 # Sections decoded ahead of the one being placed: bounded by count (the worker threads, at
