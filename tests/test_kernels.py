@@ -536,3 +536,31 @@ def test_one_thread_locate_ranked_matches_the_range_walk_and_the_reference(dtype
                 hit = one[0] >= 0
                 assert int(hit.sum()) == one[1]
                 np.testing.assert_array_equal(one[0][hit], spread[0][hit])
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_add_at_summed_matches_add_at_and_the_word_sums(dtype):
+    """add_at_summed writes what add_at_ref writes, and its sum change is word_sum(after) -
+    word_sum(before), bit for bit: with several writes in one word, in any order, in a last
+    partial word, and with positions out of range (counted, skipped)."""
+    from reference import add_at_ref
+
+    from pulsediff.kernels import cpu
+
+    rng = np.random.default_rng(np.dtype(dtype).itemsize)
+    width = np.dtype(dtype).itemsize * 8
+    for n in (1, 3, 7, 64, 1001):
+        base = rng.integers(0, 1 << min(width, 63), n, dtype=np.uint64).astype(dtype)
+        k = int(rng.integers(1, n + 1))
+        positions = rng.permutation(n)[:k].astype(np.int64)  # distinct, in no order; neighbours share words
+        if n > 3:
+            positions = np.concatenate([positions, [n, n + 5]])  # out of range
+        deltas = rng.integers(0, 1 << min(width, 62), positions.size, dtype=np.uint64).astype(dtype)
+        want = base.copy()
+        want_old, want_bad = add_at_ref(want, positions, deltas)
+        got = base.copy()
+        old, bad, change = cpu.add_at_summed(got, positions, deltas)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(old, want_old)
+        assert bad == want_bad
+        assert change == (cpu.word_sum(got) - cpu.word_sum(base)) % (1 << 64)

@@ -791,6 +791,63 @@ def _add_at_range(out, positions, deltas, old, lo, hi):
     return bad
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _word_term_at(out, j, per, bits):
+    # FORMAT.md 3.1's term of word j: its elements (zero past the end) little-endian, keyed by j.
+    x = np.uint64(0)
+    lo = j * per
+    for e in range(lo, min(lo + per, out.size)):
+        x |= np.uint64(out[np.uint64(e)]) << np.uint64(bits * (e - lo))
+    x ^= np.uint64(j + 1) * _PHI
+    x ^= x >> _S33
+    x *= _M1
+    x ^= x >> _S33
+    x *= _M2
+    x ^= x >> _S33
+    return x
+
+
+@njit(cache=True, nogil=True)
+def _add_at_summed(out, positions, deltas, old):
+    # add_at on one thread, with each write's change to the word sum: the term of the word
+    # holding the element before and after it. Summed over the writes in the order they
+    # happen, the changes telescope to (sum after - sum before) however many writes share a
+    # word; on one thread only (another thread's write into the same word would break that).
+    n = np.uint64(out.size)
+    width = out.itemsize
+    per = 8 // width
+    bits = 8 * width
+    bad = 0
+    change = np.uint64(0)
+    for e in range(positions.size):
+        u = np.uint64(e)
+        p = np.uint64(positions[u])
+        if p < n:
+            j = np.int64(p) // per
+            before = _word_term_at(out, j, per, bits)
+            v = out[p]
+            old[u] = v
+            z = np.uint64(deltas[u])
+            out[p] = v + ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1))))  # un-zigzag, wraps
+            change += _word_term_at(out, j, per, bits) - before
+        else:
+            bad += 1
+    return bad, change
+
+
+def add_at_summed(out, positions, deltas) -> tuple[np.ndarray, int, int]:
+    """add_at on the calling thread alone, also returning how the array's word sum changed
+    ((after - before) mod 2**64, from the written words only): a caller that knows the sum
+    before checks the sum after without reading the array again. Positions must be distinct."""
+    if deltas.size != positions.size:
+        raise ValueError("add_at needs as many deltas as positions")
+    old = np.zeros(positions.size, out.dtype)
+    if positions.size == 0:
+        return old, 0, 0
+    bad, change = _add_at_summed(out, positions, deltas, old)
+    return old, int(bad), int(change)
+
+
 def add_at(out, positions, deltas) -> tuple[np.ndarray, int]:
     """out[positions] += un-zigzagged deltas (mod 2**width), in place; returns the old values
     (for an undo log) and how many positions were out of range (skipped, their old value 0).

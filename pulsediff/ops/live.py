@@ -442,11 +442,14 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
     names, elements, counts = set(), 0, {}
 
-    def place(rec, payload, decoded, scratch) -> int:
+    def place(rec, payload, decoded, scratch, alone: bool = False) -> int:
         """One tensor's section written into its view, logged in `undo` first and checked by
-        its target sum after; returns the elements it changed."""
+        its target sum after; returns the elements it changed. `alone`: on this thread alone,
+        with the CPU kernels, so the sum after comes from the words written (add_at_summed),
+        not from another read of the tensor."""
         view = views[rec.name]
         kernels = _kernels_for(view)
+        after = None  # the word sum once written, where the writes tell it
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
         codec = get_codec(rec.section.codec)
         located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
@@ -456,7 +459,11 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
             count = rec.changed
             entry = _Undo(rec.name, view, positions)
             undo.append(entry)
-            entry.old, bad = kernels.add_at(view, positions, deltas)
+            if alone:
+                entry.old, bad, change = kernels.add_at_summed(view, positions, deltas)
+                after = (sums[rec.name] + change) & 0xFFFFFFFFFFFFFFFF
+            else:
+                entry.old, bad = kernels.add_at(view, positions, deltas)
             if bad:  # cannot happen once every entry was found; the kernel checks all the same
                 raise CorruptPatchError(reader.source, f"tensor {rec.name!r}: positions fall outside the tensor")
         else:  # another codec, or a tensor carried whole: rebuilt and hash-checked on the host
@@ -474,7 +481,9 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
                 entry = _Undo(rec.name, view, positions, base[positions])
                 undo.append(entry)
                 kernels.scatter(view, positions, new[positions])
-        if kernels.word_sum(view) != int(rec.target_sum, 16):
+        if after is None:
+            after = kernels.word_sum(view)
+        if after != int(rec.target_sum, 16):
             raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
         return count
 
@@ -525,7 +534,7 @@ def _placed_side_by_side(sections, place):
     running: deque = deque()
     try:
         for rec, payload, decoded in sections:
-            running.append((rec, pool().submit(place, rec, payload, decoded, Scratch())))
+            running.append((rec, pool().submit(place, rec, payload, decoded, Scratch(), True)))
             if len(running) >= num_threads():
                 rec0, future = running.popleft()
                 yield rec0, future.result()
