@@ -113,6 +113,33 @@ def test_wrong_base_is_refused_before_any_write():
         assert _same(wrong, before)
 
 
+def test_sums_a_caller_keeps_stand_in_for_the_read_and_come_back_updated():
+    """`sums`: what the call gives back is every tensor's word sum after it; given back in,
+    they are taken at their word for the base check (a wrong one is refused as a wrong base,
+    nothing written, the dict left as it was), and a failed apply leaves them as they were."""
+    old, new = _pair(9, ("BF16", "F32"))
+    first = pulsediff.make_patch_bytes(old, new)
+    newer = {k: mutate(np.random.default_rng(10), v, 0.05) for k, v in new.items()}
+    second = pulsediff.make_patch_bytes(new, newer)
+    live_tensors, sums = _clone(old), {}
+    pulsediff.apply_to_state_dict(live_tensors, first, check="sums", sums=sums)
+    assert sums == {k: word_sum_ref(_bits(t)) for k, t in new.items()}
+    vouched = dict(sums)
+    vouched["t.F32.3"] ^= 1  # a sum that is not the tensor's: believed, so the base looks wrong
+    with pytest.raises(BaseMismatchError, match=r"t\.F32\.3"):
+        pulsediff.apply_to_state_dict(live_tensors, second, check="sums", sums=vouched)
+    assert _same(live_tensors, new) and vouched["t.F32.3"] == sums["t.F32.3"] ^ 1
+    def lie(header):  # the last patched tensor's target sum is off: found after the writes
+        last = [t for t in header["tensors"] if t["op"] == "patch"][-1]
+        last["target_sum"] = f"{(int(last['target_sum'], 16) + 1) % 2**64:016x}"
+
+    with pytest.raises(CorruptPatchError, match="word sum"):
+        pulsediff.apply_to_state_dict(live_tensors, _forged(second, lie), check="sums", sums=sums)
+    assert _same(live_tensors, new) and sums == {k: word_sum_ref(_bits(t)) for k, t in new.items()}
+    pulsediff.apply_to_state_dict(live_tensors, second, check="sums", sums=sums)
+    assert _same(live_tensors, newer) and sums == {k: word_sum_ref(_bits(t)) for k, t in newer.items()}
+
+
 def _forged(patch: bytes, edit) -> bytes:
     header = split_patch(patch)
     edit(header)

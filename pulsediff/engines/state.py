@@ -51,6 +51,9 @@ class HostState:
         self.digest = digest
         self.step = step
         self.origin = origin  # where it was loaded from, for messages
+        # The tensors' word sums as the last update left them: nothing else writes the tensors, so
+        # the next update's base check need not read them all again (apply_to_state_dict's `sums`).
+        self.sums: dict[str, int] = {}
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +77,7 @@ class HostState:
         if kind == "patch":
             if is_url(where):  # read after the request's checks, bounded by what an anchor of these tensors needs
                 where = fetch_patch_url(where, limit=2 * self.nbytes + (1 << 20))
-            result = apply_to_state_dict(self.tensors, [where], check=CHECK, changes=changes)
+            result = apply_to_state_dict(self.tensors, [where], check=CHECK, changes=changes, sums=self.sums)
             self.digest = result.target_digest
             if result.status == "applied":
                 self.step = None  # a lone patch names no step
@@ -82,7 +85,8 @@ class HostState:
         from pulsediff.series.catch_up import catch_up_state_dict
 
         result = catch_up_state_dict(self.tensors, where, check=CHECK, digest=self.digest, trust=trust,
-                                     trust_state=trust_state, step=step, changes=changes, cache=cache)
+                                     trust_state=trust_state, step=step, changes=changes, cache=cache,
+                                     sums=self.sums)
         self.digest, self.step = result.digest, result.step
         return Advance(result.status, result.step, result.digest, changes, result.links)
 

@@ -149,7 +149,8 @@ CHECKS = ("auto", "digests", "sums", "prefer-sums")
 
 def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
                         device: str | None = None, check: str = "auto", expect_target: str | None = None,
-                        expect_where: str = "the signed manifest", changes: dict | None = None) -> LiveApplyResult:
+                        expect_where: str = "the signed manifest", changes: dict | None = None,
+                        sums: dict | None = None) -> LiveApplyResult:
     """Apply one patch, or a chain of patches in order, to live tensors in place.
 
     `tensors` maps names to torch tensors (CPU or CUDA), e.g. `model.state_dict()`
@@ -173,6 +174,12 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     no particular order), or None where a tensor was written whole. For a consumer that must mirror the writes elsewhere
     (an inference engine's parameters, pulsediff.engines), at the cost of the
     positions' host copy on a GPU.
+
+    `sums` (a dict, for a caller that alone writes the tensors between calls, as
+    pulsediff.engines' host state does): name -> the word sum of each tensor as it is,
+    which this function gave back last time; they stand in for the sums path's read of
+    every tensor before the first patch (wrong ones would defeat that base check, so pass
+    only what it gave). Replaced on success by the sums after; left as it was on failure.
     """
     if not isinstance(patches, list):
         patches = [patches]
@@ -183,7 +190,7 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     changed_tensors: set[str] = set()
     changed_elements = 0
     undo: list[_Undo] = []  # in write order
-    known: dict[str, int] = {}  # word sums known since the last patch (sums path)
+    known: dict[str, int] = dict(sums or {})  # word sums known since the last patch (sums path)
     status = "up-to-date"
     target = ""
     try:
@@ -202,6 +209,9 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
         raise
     if changes is not None:
         changes.update(_written_positions(undo))
+    if sums is not None:
+        sums.clear()
+        sums.update(known)
     return LiveApplyResult(status, len(changed_tensors), changed_elements, target)
 
 
