@@ -19,8 +19,10 @@ Run it in the venv of the engine tests (README, "Run the tests"). The model is Q
 with biases, gate/up, untied head): hidden 1536, 12 heads, 2 KV heads, intermediate 4096, vocab 32000 and
 --layers layers (16: 0.98 GB in BF16). Each step changes ~1% of every tensor's elements by one ULP. The
 engine and the series come from the tests' own helpers (tests/vllm_driver.py, tests/engine_series.py).
-Prints a markdown table of medians and ratios; every round's engine weights are those of the step's
-checkpoint (the tests prove each path bit for bit; here the rounds only time them).
+Prints a markdown table of medians and ratios, with the worker process's peak resident memory above where it
+stood before each update (Linux's clear_refs; vLLM's CPU worker holds the weights); every round's engine
+weights are those of the step's checkpoint (the tests prove each path bit for bit; here the rounds only
+time them).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[st
     times: dict[str, list[float]] = {}
     for record in results[1:]:
         times.setdefault(record["action"]["what"], []).extend(record["seconds"])
+        # the worker's peak resident memory above where it stood, in GB (timed_update and timed_reload)
+        times.setdefault(record["action"]["what"] + " memory", []).extend(
+            kib * 1024 / 1e9 for kib in record.get("peak_extra_kib", []))
     times["engine start"] = [results[0]["started_s"]]
     return times
 
@@ -127,15 +132,17 @@ def main(argv=None) -> int:
                                     for r in range(args.rounds))
     engine = engine_rounds(train, outbox, args.rounds, work)
     decode = decode_rounds(train, outbox, args.rounds)
-    med = {k: statistics.median(v) for k, v in {**engine, **decode}.items()}
+    med = {k: statistics.median(v) if v else None for k, v in {**engine, **decode}.items()}
     print(f"\nQwen2-shaped, {size / 1e9:.2f} GB BF16, 1% of elements changed per step (patch {patch_bytes / 1e6:.1f} MB); "
           f"{args.rounds} rounds alternating, medians; vLLM {__import__('vllm').__version__}, {os.cpu_count()} cores\n")
-    print("| update of a running engine | median | ratio to the floor |")
-    print("|---|---:|---:|")
+    print("| update of a running engine | median | ratio to the floor | worker's peak extra memory |")
+    print("|---|---:|---:|---:|")
     for key, label in (("pulsediff", "pulsediff backend: update_llm (verify, decode, layerwise reload from memory)"),
                        ("today", "today's path: `pulsediff apply` to a folder, then reload_weights from it"),
                        ("floor", "floor: reload_weights from the new checkpoint on disk")):
-        print(f"| {label} | {med[key]:.3f} s | {med[key] / med['floor']:.2f} |")
+        memory = med.get(key + " memory")
+        print(f"| {label} | {med[key]:.3f} s | {med[key] / med['floor']:.2f} | "
+              f"{f'{memory:.2f} GB' if memory is not None else '-'} |")
     split = [line.split("pulsediff: ", 1)[1].strip() for line in (work / "engine.log").read_text().splitlines()
              if "verified and decoded" in line]
     print(f"\n(engine start: {med['engine start']:.1f} s; pulsediff / today's path: {med['pulsediff'] / med['today']:.2f}; "

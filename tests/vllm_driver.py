@@ -9,7 +9,9 @@ PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "actio
   {"update": {source, step?, trust?}}   pulsediff.engines.vllm_client.update_llm; its error, if any, is recorded
   {"raw_update": {...}}                 start/update/finish without update_llm's own checks (the workers' alone)
   {"reload": DIR}                       vLLM's own reload_weights from a checkpoint on disk (the reference)
-  {"timed_update": {...}, "repeat": N}  (benchmarks) seconds of each update
+  {"timed_update": [{...}, ...]}        (benchmarks) seconds of each update, and the worker's peak resident
+                                        memory above where it stood before (Linux's clear_refs)
+  {"timed_reload": [DIR, ...]}          (benchmarks) the same for vLLM's reload_weights
 RESULT: one record per action, in order.
 
 Fingerprints are SHA-256 digests of every parameter's bytes and, for every Linear layer, of what it
@@ -50,6 +52,23 @@ def fingerprints(worker) -> dict:
             y = linear(eye, module.weight, None).contiguous().reshape(-1)
             out[f"{module_name}.<computes>"] = hashlib.sha256(y.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
     return out
+
+
+def reset_peak(worker=None) -> int:
+    """Start a new peak of this process's resident memory (Linux: clear_refs 5); its resident KiB now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS")
+
+
+def peak(worker=None) -> int:
+    """This process's peak resident memory since reset_peak, in KiB."""
+    return _status_kib("VmHWM")
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
 def main(plan_path: str, result_path: str) -> int:
@@ -104,12 +123,15 @@ def main(plan_path: str, result_path: str) -> int:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": action["reload"]})
             llm.reset_prefix_cache()
         elif "timed_update" in action:
-            seconds = []
+            seconds, extra_kib = [], []
             for request in action["timed_update"]:
+                before = llm.collective_rpc(reset_peak)[0]  # the worker's process (rank 0)
                 t = time.perf_counter()
                 update_llm(llm, **request)
                 seconds.append(time.perf_counter() - t)
+                extra_kib.append(llm.collective_rpc(peak)[0] - before)
             record["seconds"] = seconds
+            record["peak_extra_kib"] = extra_kib  # the worker's resident memory above where it stood
         elif "timed_apply_reload" in action:  # today's path: `pulsediff apply` to a folder, then reload from it
             import shutil
             import subprocess
@@ -123,13 +145,16 @@ def main(plan_path: str, result_path: str) -> int:
             llm.reset_prefix_cache()
             record["seconds"] = [time.perf_counter() - t]
         elif "timed_reload" in action:
-            seconds = []
+            seconds, extra_kib = [], []
             for folder in action["timed_reload"]:
+                before = llm.collective_rpc(reset_peak)[0]
                 t = time.perf_counter()
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
                 llm.reset_prefix_cache()
                 seconds.append(time.perf_counter() - t)
+                extra_kib.append(llm.collective_rpc(peak)[0] - before)
             record["seconds"] = seconds
+            record["peak_extra_kib"] = extra_kib
         results.append(record)
     with open(result_path, "w") as f:
         json.dump(results, f)
