@@ -4,7 +4,10 @@ Like zstd and rsync, pulsediff does not replace an existing output unless told
 to (-f/--force), does not create missing folders for it, and does not pour
 binary onto a terminal. The library refuses an existing output too (unless
 force=True); the command line checks here as well, before it loads anything,
-so that a refusal costs nothing.
+so that a refusal costs nothing. Except apply's: whether its OUT is to be a
+file or a folder is in the patch's header, and an OUT of the wrong kind is
+refused first, whatever -f (which would not help), so the library refuses
+an existing OUT once it has read the header (still before any work).
 """
 
 from __future__ import annotations
