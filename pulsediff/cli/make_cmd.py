@@ -37,12 +37,12 @@ def make(
     from pulsediff.ops.make import make_patch, unrelated_reason
 
     out = Output(quiet=quiet, as_json=as_json)
+    unrelated = unrelated_reason(old, new, precision)  # said once the patch is written
     skipped: list[str] = []
     header = make_patch(old, new, output, precision=precision, codec=codec, device=device, progress=out.progress(),
                         skip_unsupported=skip_unsupported, skipped=skipped, force=force)
     for note in skipped:
         out.warn(f"not carried in the patch: {new}/{note}")
-    unrelated = unrelated_reason(old, header)
     if unrelated is not None:  # a valid patch, but likely not the one meant: about as large as NEW itself
         out.warn(f"{old} and {new} look like unrelated checkpoints: {unrelated}")
     changed = sum(t.changed for t in header.tensors)

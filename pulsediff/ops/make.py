@@ -130,23 +130,27 @@ def patch_name(new) -> str:
 RELATED_SHARE = 0.5
 
 
-def shared_elements(old, header: PatchHeader) -> int:
-    """How many of the target's elements lie in tensors that `old` has too, with the same name, shape and
-    dtype (under the patch's precision): the part of the target a patch can build on. Reads `old`'s
-    headers only."""
-    with open_source(old) as ckpt:
-        view = TensorView(ckpt, header.precision)
-        return sum(r.numel for r in header.tensors if r.name in ckpt and view.dtype_of(r.name) is r.dtype
-                   and tuple(view.shape_of(r.name)) == tuple(r.shape))
+def unrelated_reason(old, new, precision: str = "exact") -> str | None:
+    """Why checkpoints `old` and `new` look unrelated, in a phrase; None when they do not (or `old` is None
+    or empty: an anchor). Unrelated: less than RELATED_SHARE of `new`'s elements lie in tensors that `old`
+    has too with the same name, shape and dtype (under `precision`), the part a patch can build on.
 
-
-def unrelated_reason(old, header: PatchHeader) -> str | None:
-    """Why `old` and the patch's target look unrelated (they share less than RELATED_SHARE of the target's
-    elements, see shared_elements), in a phrase; None when they do not. An anchor (`old` None) never does."""
-    total = sum(r.numel for r in header.tensors)
-    if old is None or header.base_tensors == 0:
+    Reads the checkpoints' headers only, so it is asked before the patch is made: once the patch is
+    out, an input may change under its name without that being pulsediff's concern.
+    """
+    if old is None:
         return None
-    shared = shared_elements(old, header)
+    with open_source(new) as new_ckpt, open_source(old) as old_ckpt:  # in make_patch's order: the same error first
+        if not old_ckpt.names:
+            return None
+        base, target = TensorView(old_ckpt, precision), TensorView(new_ckpt, precision)
+        total = shared = 0
+        for name in new_ckpt.names:
+            numel = new_ckpt.entry(name).numel
+            total += numel
+            if (name in old_ckpt and base.dtype_of(name) is target.dtype_of(name)
+                    and tuple(base.shape_of(name)) == tuple(target.shape_of(name))):
+                shared += numel
     if shared >= RELATED_SHARE * total:
         return None
     if shared == 0:
