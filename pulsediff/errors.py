@@ -296,3 +296,23 @@ def refuse_existing(out, force: bool) -> None:
 
     if not force and isinstance(out, (str, os.PathLike)) and str(out) != "-" and os.path.lexists(out):
         raise OutputExistsError(str(out), "pass force=True")
+
+
+def refuse_folder_for_file(out, why: str, example: str) -> None:
+    """Raise UsageError if `out`, where a single file is to be written, names a folder: an existing one, or
+    a name ending in '/'. `why` says what makes it one file ("a patch is a single file"); `example` is a
+    file name to suggest inside the folder.
+
+    Checked before refuse_existing, so that no one is told to give -f/--force: force replaces a file, it
+    cannot turn a folder into one.
+    """
+    import os
+
+    if not isinstance(out, (str, os.PathLike)) or str(out) == "-":
+        return
+    text = os.fspath(out)
+    trailing = text.endswith(("/", os.sep))
+    if trailing or (os.path.isdir(text) and not os.path.islink(text)):
+        folder = text.rstrip("/" + os.sep) or text
+        state = "names a folder" if trailing and not os.path.isdir(text) else "is a folder"
+        raise UsageError(f"{text} {state}, but {why}; give a file name, such as {os.path.join(folder, example)}")

@@ -507,10 +507,13 @@ def test_existing_outputs_are_refused_unless_forced(pair, tmp_path):
     existing.write_bytes(b"keep me")
     folder = tmp_path / "folder"
     folder.mkdir()
-    for target in (existing, folder):
-        for args in (("make", old, new, "-o", target), ("apply", old, tmp_path / "p", "-o", target),
-                     ("squash", old, tmp_path / "p", "-o", target)):
-            assert_one_line_error(run(*args, check=False), 1, "already exists; give -f/--force")
+    for args in (("make", old, new, "-o", existing), ("apply", old, tmp_path / "p", "-o", existing),
+                 ("squash", old, tmp_path / "p", "-o", existing)):
+        assert_one_line_error(run(*args, check=False), 1, "already exists; give -f/--force")
+    # a folder where one file goes: -f would not help, so it is not advised (tests/test_output_kinds.py)
+    for args in (("make", old, new, "-o", folder), ("apply", old, tmp_path / "p", "-o", folder),
+                 ("squash", old, tmp_path / "p", "-o", folder)):
+        assert_one_line_error(run(*args, check=False), 2, f"{folder} is a folder, but ")
     assert existing.read_bytes() == b"keep me" and list(folder.iterdir()) == []
     run("make", new, old, "-o", tmp_path / "p", "-q", "-f")  # -f: replaced
     assert (tmp_path / "p").read_bytes() != patch

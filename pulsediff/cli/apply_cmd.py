@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from pulsediff.errors import UsageError
-from pulsediff.cli.checks import check_output, check_patch_paths
+from pulsediff.errors import OutputExistsError, UsageError
+from pulsediff.cli.checks import check_output_folder, check_patch_paths
 from pulsediff.cli.options import Device, Force, Json, Quiet
 from pulsediff.cli.output import Output
 
@@ -16,7 +16,7 @@ from pulsediff.cli.output import Output
 def apply(
     base: Annotated[Path, typer.Argument(help="The checkpoint the (first) patch was made from.")],
     patches: Annotated[list[str], typer.Argument(metavar="PATCH...", help="Patch files in order (a chain), or - to read one from stdin.")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="OUT", help="Where to write the rebuilt checkpoint (it must not exist, unless -f).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="OUT", help="Where to write the rebuilt checkpoint: a file name, or a folder name when the patch rebuilds a model folder (it must not exist, unless -f).")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Replace BASE with the rebuilt checkpoint (atomically).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Check the patches and BASE's digest and say what would be written; write nothing (-o and --in-place optional).")] = False,
     device: Device = "auto",
@@ -30,8 +30,10 @@ def apply(
     if not (in_place or output is not None or dry_run):
         raise UsageError("give -o OUT or --in-place (or -n to check without writing)")
     if output is not None:
-        check_output(output, force=force)
-    check_patch_paths(patches)
+        # An existing OUT is refused by apply_chain, once the patch's header has said whether OUT is to be a
+        # file or a folder: -f is advised only where it would help.
+        check_output_folder(Path(output))
+    check_patch_paths(patches, base)
     from pulsediff.ops.apply import apply_chain
     from pulsediff.format.patch_file import verify_patch_file
 
@@ -40,8 +42,11 @@ def apply(
         for p in patches:
             if p != "-":
                 verify_patch_file(p)
-    result = apply_chain(base, patches, output, in_place=in_place, device=device, progress=out.progress(),
-                         dry_run=dry_run, force=force)
+    try:
+        result = apply_chain(base, patches, output, in_place=in_place, device=device, progress=out.progress(),
+                             dry_run=dry_run, force=force)
+    except OutputExistsError as exc:  # the library's refusal ("pass force=True"), in the command line's words
+        raise OutputExistsError(exc.path) from None
     target = result.header.target_digest
     if as_json:
         out.json({"output": None if result.output is None else str(result.output), "status": result.status,

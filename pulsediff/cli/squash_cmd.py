@@ -26,7 +26,8 @@ def squash(
     """Make one patch from BASE straight to the end of a chain (for a worker many steps behind)."""
     if as_json and output == "-":
         raise UsageError("--json prints on stdout, which -o - uses for the patch")
-    check_output(output, force=force)
+    # "squashed.pulsediff": ops.squash.SQUASHED_NAME, without loading the kernels to say it
+    check_output(output, force=force, single_file=("a patch is a single file", "squashed.pulsediff"))
     check_patch_paths(patches)
     from pulsediff.ops.squash import squash_patches
 

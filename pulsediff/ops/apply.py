@@ -11,6 +11,7 @@ Order of checks, so that nothing is written unless everything holds:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -20,7 +21,8 @@ import numpy as np
 from pulsediff.codecs import get_codec
 from pulsediff.codecs.base import Scratch, SectionContext, zstd_decompress_exact
 from pulsediff.errors import (BaseFileMismatchError, BaseMismatchError, CorruptPatchError, PulsediffError,
-                              TargetMismatchError, TensorMismatchError, UsageError, refuse_existing)
+                              TargetMismatchError, TensorMismatchError, UsageError, refuse_existing,
+                              refuse_folder_for_file)
 from pulsediff.format.digest import TensorId, checkpoint_digest
 from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
 from pulsediff.format.patch_file import Link, check_file_header, open_chain, read_layout
@@ -99,8 +101,6 @@ def apply_chain(
         raise UsageError("in_place needs a base checkpoint")
     if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
         raise UsageError("a chain of several patches must be files (stdin carries one patch)")
-    if not in_place:
-        refuse_existing(out, force)
     out_path = Path(base) if in_place else Path(out) if out is not None else None
     with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]
@@ -114,6 +114,23 @@ def apply_chain(
                                                        f"its use?); nothing was written")
         with open_checkpoint(base) as base_ckpt:
             view = TensorView(base_ckpt, final.precision)
+            # What the output will be (a file or a folder) is known from the headers alone: an output that
+            # cannot hold it is refused before the base is hashed, and before an existing one is (force
+            # would not help).
+            receiver = _receiver_layout(base_ckpt, view, final)
+            sequential = len(patches) == 1  # one patch, maybe on stdin: read it front to back
+            if receiver is not None and sequential and receiver.order != [r.name for r in final.tensors]:
+                if _seekable(first_link.reader.stream):
+                    sequential = False  # the receiver's order: read the sections where they lie
+                else:
+                    receiver = None  # stdin cannot be read out of order: the patch's layout
+            rebuilds = _Rebuilds(receiver.kind if receiver else final.layout.kind,
+                                 len(receiver.files) if receiver else len(final.layout.files), len(links))
+            if in_place:
+                _check_in_place_kind(rebuilds, Path(base))
+            elif out is not None:
+                _check_output_kind(rebuilds, out)
+                refuse_existing(out, force)
             if base_ids is None:
                 base_ids = tensor_ids(view, progress)
             digest = checkpoint_digest(base_ids.values())
@@ -130,15 +147,6 @@ def apply_chain(
                 links = links[later[-1]:]
                 if out_path is not None and _already_target(out_path, final):
                     return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
-            receiver = _receiver_layout(base_ckpt, view, final)
-            sequential = len(patches) == 1  # one patch, maybe on stdin: read it front to back
-            if receiver is not None and sequential and receiver.order != [r.name for r in final.tensors]:
-                if _seekable(first_link.reader.stream):
-                    sequential = False  # the receiver's order: read the sections where they lie
-                else:
-                    receiver = None  # stdin cannot be read out of order: the patch's layout
-            if out_path is not None:
-                _check_output_kind(receiver.kind if receiver else final.layout.kind, out_path)
             files = FolderFileSources(links or [final_link], base_ckpt, final, in_place, sequential)
             if dry_run:
                 return ApplyResult("would-apply", out_path, final, len(links), base_is_target, True,
@@ -328,11 +336,38 @@ class FolderFileSources:
         return self.base_bytes(rec)
 
 
-def _check_output_kind(kind: str, out_path: Path) -> None:
-    if kind == "dir" and out_path.exists() and not out_path.is_dir():
-        raise UsageError(f"{out_path} is a file, but the patch rebuilds a sharded folder")
-    if kind == "file" and out_path.is_dir():
-        raise UsageError(f"{out_path} is a folder, but the patch rebuilds a single file")
+@dataclass(frozen=True)
+class _Rebuilds:
+    """What a chain rebuilds, in words for a refusal: a file or a folder of `shards` shards."""
+
+    kind: str
+    shards: int
+    patches: int
+
+    def __str__(self) -> str:
+        what = (f"a model folder ({self.shards} shard{'' if self.shards == 1 else 's'})" if self.kind == "dir"
+                else "a single .safetensors file")
+        return f"{'this patch rebuilds' if self.patches == 1 else 'these patches rebuild'} {what}"
+
+
+def _check_output_kind(rebuilds: _Rebuilds, out: str | Path) -> None:
+    """OUT (as given: a trailing '/' says "a folder") can hold what the patches rebuild, whatever `force`:
+    force replaces a file or fills a folder, it never turns one into the other."""
+    text = os.fspath(out)
+    path = Path(text)
+    if rebuilds.kind == "file":
+        refuse_folder_for_file(text, str(rebuilds), "model.safetensors")
+        return
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{text} is a file, but {rebuilds}; give a new folder name")
+    if not path.exists() and path.suffix == ".safetensors":
+        raise UsageError(f"{rebuilds}; give a folder name, not {text}")
+
+
+def _check_in_place_kind(rebuilds: _Rebuilds, base: Path) -> None:
+    if (rebuilds.kind == "dir") != base.is_dir():
+        raise UsageError(f"{base} is a {'folder' if base.is_dir() else 'file'}, but {rebuilds}, so it cannot be "
+                         f"replaced in place; give -o with a new {'folder' if rebuilds.kind == 'dir' else 'file'} name")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from pulsediff.codecs.base import zstd_compress
 from pulsediff.codecs.gap_zstd import gap_width
 from pulsediff.format.digest import (TensorId, checkpoint_digest, format_word_sum, tensor_checks, tensor_hash,
                                      tensor_hasher)
-from pulsediff.errors import UsageError, refuse_existing
+from pulsediff.errors import UsageError, refuse_existing, refuse_folder_for_file
 from pulsediff.io.folder_files import file_hash, folder_files, read_folder_file
 from pulsediff.format.container import SectionRef, encode_header, encode_preamble, section_checksum
 from pulsediff.kernels import get_backend
@@ -98,9 +98,11 @@ def make_patch(
     stdout, or a binary stream. Returns the patch header. A folder's other
     files travel with it (pulsediff/io/folder_files.py); weights in other formats
     and huge files are refused unless `skip_unsupported`, and what was left
-    out is appended to `skipped`. An existing `out` file is refused (OutputExistsError) unless `force`.
+    out is appended to `skipped`. An existing `out` file is refused (OutputExistsError) unless `force`; a
+    folder (or a name ending in '/') is refused whatever `force` (UsageError).
     """
     check_choices(codec, precision)
+    refuse_folder_for_file(out, "a patch is a single file", patch_name(new))
     refuse_existing(out, force)
     if new is None:
         raise UsageError("NEW must be a checkpoint or a mapping of tensors")
@@ -109,6 +111,53 @@ def make_patch(
         if skipped is not None:
             skipped.extend(target.skipped)
         return write_patch(old, target, out, codec=codec, device=device, progress=progress)
+
+
+def patch_name(new) -> str:
+    """A file name to suggest for the patch to `new`: its own name, as a patch."""
+    import os
+
+    if not isinstance(new, (str, os.PathLike)):
+        return "patch.pulsediff"
+    name = Path(new).name
+    return (name.removesuffix(".safetensors") or "patch") + ".pulsediff"
+
+
+# Below this share of the target's elements in tensors the base has too (same name, shape and dtype), a
+# pair looks unrelated: two different models, or a checkpoint and something else. Consecutive steps share
+# every tensor; a resized vocabulary still leaves the layers (most elements) shared. A share of changed
+# elements would not tell: consecutive FP32 steps change nearly every element too.
+RELATED_SHARE = 0.5
+
+
+def unrelated_reason(old, new, precision: str = "exact") -> str | None:
+    """Why checkpoints `old` and `new` look unrelated, in a phrase; None when they do not (or `old` is None
+    or empty: an anchor). Unrelated: less than RELATED_SHARE of `new`'s elements lie in tensors that `old`
+    has too with the same name, shape and dtype (under `precision`), the part a patch can build on.
+
+    Reads the checkpoints' headers only, so it is asked before the patch is made: once the patch is
+    out, an input may change under its name without that being pulsediff's concern.
+    """
+    if old is None:
+        return None
+    with open_source(new) as new_ckpt, open_source(old) as old_ckpt:  # in make_patch's order: the same error first
+        if not old_ckpt.names:
+            return None
+        base, target = TensorView(old_ckpt, precision), TensorView(new_ckpt, precision)
+        total = shared = 0
+        for name in new_ckpt.names:
+            numel = new_ckpt.entry(name).numel
+            total += numel
+            if (name in old_ckpt and base.dtype_of(name) is target.dtype_of(name)
+                    and tuple(base.shape_of(name)) == tuple(target.shape_of(name))):
+                shared += numel
+    if shared >= RELATED_SHARE * total:
+        return None
+    if shared == 0:
+        return "they have no tensor in common (same name, shape and dtype), so the patch carries the target whole"
+    share = 100 * shared / total
+    return (f"only {f'{share:.0f}%' if share >= 1 else 'under 1%'} of the target's elements are in tensors the "
+            "base has too (same name, shape and dtype); the patch carries the rest whole")
 
 
 def make_patch_bytes(old, new, **options) -> bytes:

@@ -18,12 +18,14 @@ from pulsediff.io.checkpoint import TensorData, TensorView, open_checkpoint
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC
 from pulsediff.codecs.base import Scratch
 from pulsediff.format.digest import checkpoint_digest
-from pulsediff.errors import BaseMismatchError, UsageError, refuse_existing
+from pulsediff.errors import BaseMismatchError, UsageError, refuse_existing, refuse_folder_for_file
 from pulsediff.ops.inspect import tensor_ids
 from pulsediff.kernels import get_backend
 from pulsediff.ops.make import TargetSource, check_choices, write_patch
 from pulsediff.format.header import PatchHeader
 from pulsediff.runtime.progress import SILENT, Progress
+
+SQUASHED_NAME = "squashed.pulsediff"  # the name suggested inside a folder given as the output
 
 
 def squash_patches(
@@ -37,9 +39,10 @@ def squash_patches(
     force: bool = False,
 ) -> PatchHeader:
     """Write one patch equal in effect to applying `patches` to `base` in order (an existing `out` file only
-    with `force`)."""
+    with `force`; a folder never)."""
     if not patches:
         raise UsageError("give at least one patch to squash")
+    refuse_folder_for_file(out, "a patch is a single file", SQUASHED_NAME)
     refuse_existing(out, force)
     if any(str(p) == "-" for p in patches):
         raise UsageError("squash reads patches from files, not stdin")

@@ -38,7 +38,7 @@ from typing import Iterable
 
 from pulsediff.io import strict_json
 from pulsediff.errors import (MissingExtraError, OutputError, OutputExistsError, RollbackError, SigningKeyError,
-                     UntrustedManifestError)
+                     UntrustedManifestError, refuse_folder_for_file)
 
 KEY_PREFIX = "ed25519:"
 SIGNATURE_NAME = "manifest.json.sig"
@@ -77,6 +77,7 @@ def keygen(path: Path, *, force: bool = False) -> str:
     An existing `path` is refused unless `force` (a lost key cannot be re-made:
     every worker would have to trust a new one)."""
     ed25519, serialization, _ = _crypto()
+    refuse_folder_for_file(path, "a key is a single file", "signing.key")  # -f would not help there
     path = Path(path)
     if not force and os.path.lexists(path):
         raise OutputExistsError(str(path), "give -f/--force")
