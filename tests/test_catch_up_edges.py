@@ -234,3 +234,24 @@ def test_where_a_file_is_is_asked_of_its_descriptor(tmp_path):
         assert outside(fd, folder / "a.pulsediff", root) is None
     finally:
         os.close(fd)
+
+
+def test_an_output_of_the_other_kind_is_refused_without_advising_force(series, tmp_path):
+    """catch-up -o FOLDER for a series of files (or a file for a series of folders): one line before
+    anything is read, that does not advise -f (which could not turn one into the other), and with -f
+    the same; the folder is left as it was."""
+    train, _, pub = series
+    worker = worker_at(train, 1, tmp_path / "w.safetensors")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    for extra in ((), ("-f",)):
+        line = one_line_error(run("catch-up", worker, pub, "-o", out, *extra, check=False), 2)
+        assert f"{out} is a folder, but {worker} is a file" in line and "-f" not in line
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    taken = tmp_path / "taken.safetensors"
+    taken.write_bytes(b"x")
+    line = one_line_error(run("catch-up", worker, pub, "-o", taken, check=False), 1)
+    assert "-f/--force" in line  # the right kind: -f works there, so it is advised
+    run("catch-up", worker, pub, "-o", taken, "-f")
+    assert taken.read_bytes() == ckpt(train, STEPS).read_bytes()

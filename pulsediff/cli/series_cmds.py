@@ -118,6 +118,9 @@ def catch_up(
     from pulsediff.series.catch_up import catch_up as run
 
     if output is not None and not plan and not _same_file(output, checkpoint):
+        from pulsediff.series.catch_up import refuse_other_kind
+
+        refuse_other_kind(output, checkpoint)  # before -f is advised: it cannot help there
         check_output(output, force=force)
     out = Output(quiet=quiet or as_json, as_json=as_json)
     if plan:

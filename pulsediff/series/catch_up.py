@@ -93,6 +93,17 @@ def _where_we_are(checkpoint: Path, source: Store, progress: Progress, trust=Non
     return manifest, ids, checkpoint_digest(ids.values()) if ids is not None else None
 
 
+def refuse_other_kind(out: Path, checkpoint: Path) -> None:
+    """UsageError, before anything is read, when an existing `out` is a folder and the checkpoint a file,
+    or the other way round: a series rebuilds its checkpoints' kind, so -f could not help (it replaces
+    a file with a file, a folder with a folder), and is not advised."""
+    if not (out.exists() and checkpoint.exists()) or out.is_dir() == checkpoint.is_dir():
+        return
+    kind = {True: "a folder", False: "a file"}
+    raise UsageError(f"{out} is {kind[out.is_dir()]}, but {checkpoint} is {kind[checkpoint.is_dir()]}, as the series' "
+                     f"steps are: give a new name for -o")
+
+
 def _refuse_swapped(checkpoint: Path, source: Store) -> None:
     """UsageError when the arguments came the other way round: a series folder given as the checkpoint,
     and a SOURCE that holds no manifest (a checkpoint, or a name that is not there yet)."""
@@ -159,6 +170,7 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
     if out is not None:
         out = Path(out)
         if not _same_path(out, checkpoint):
+            refuse_other_kind(out, checkpoint)
             refuse_existing(out, force)
     source = series_source(patch_dir, cache=cache)
     # A trusting worker reads a local folder's files through private copies (a remote source's through its
