@@ -354,3 +354,22 @@ def test_fuzzed_sections_behind_valid_checksums_on_the_sums_path():
         assert _same(by_sums, by_digests), f"seed {seed}"
     print(outcomes)
     assert outcomes["refused"] > 100, outcomes
+
+
+def test_an_apply_from_a_worker_thread_places_its_tensors_on_that_thread():
+    """Called from one of pulsediff's own worker threads (a caller running applies side by side),
+    the sums path places its tensors on that thread instead of queueing them on the pool it
+    occupies; the result is the target all the same."""
+    from pulsediff.kernels import threads
+
+    old, new = _pair(11, ("BF16", "F32"))
+    patch = pulsediff.make_patch_bytes(old, new)
+    live_tensors = _clone(old)
+    seen = {}
+
+    def job():
+        seen["serial"] = threads.serial()
+        return pulsediff.apply_to_state_dict(live_tensors, patch, check="sums")
+
+    threads.pool().submit(job).result(timeout=120)
+    assert seen["serial"] and _same(live_tensors, new)

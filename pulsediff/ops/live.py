@@ -526,9 +526,11 @@ def _side_by_side(views: Mapping) -> bool:
     """Whether tensors are placed side by side, one per worker thread, each walked on its thread
     alone (the CPU's one-pass walk, without the class counts a range-parallel walk needs)."""
     from pulsediff.kernels import cpu_backend
+    from pulsediff.kernels.threads import serial
 
+    # Not from a worker thread itself: its placements would wait on the pool it occupies.
     return len(views) > 1 and all(isinstance(v, np.ndarray) for v in views.values()) \
-        and cpu_backend().side_by_side() > 0
+        and cpu_backend().side_by_side() > 0 and not serial()
 
 
 def _placed_side_by_side(sections, place):
