@@ -114,6 +114,9 @@ def test_a_checkpoint_of_another_series_is_not_replaced_unless_forced(series, tm
     line = one_line_error(run("catch-up", worker, pub, "-o", out, "-f", check=False), 1)
     assert f"to build {out} from an anchor, catch up {out} on its own (pulsediff catch-up {out} {pub})" in line
     assert not out.exists() and worker.read_bytes() == stranger.read_bytes()
+    # --plan says what the run would: not the -f the user already gave
+    line = one_line_error(run("catch-up", worker, pub, "-o", out, "-f", "--plan", check=False), 1)
+    assert f"catch up {out} on its own" in line and "give -f" not in line
     # in place with -f: replaced, and said so
     assert run("catch-up", worker, pub, "--plan", "-f").stdout == f"anchor-{STEPS:08d}.pulsediff\n"
     proc = run("catch-up", worker, pub, "-f")

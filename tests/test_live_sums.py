@@ -373,3 +373,75 @@ def test_an_apply_from_a_worker_thread_places_its_tensors_on_that_thread():
 
     threads.pool().submit(job).result(timeout=120)
     assert seen["serial"] and _same(live_tensors, new)
+
+
+def test_an_interrupt_while_tensors_are_placed_side_by_side_undoes_every_write(monkeypatch):
+    """Ctrl-C in the main thread while worker threads place tensors: every placement still
+    writing finishes before the rollback, so all tensors are put back (before, one could be
+    left written and unlisted)."""
+    import sys
+
+    from pulsediff.kernels import cpu
+
+    if cpu.side_by_side() == 0:
+        pytest.skip("one worker thread: no tensors are placed side by side")
+    rng = np.random.default_rng(12)
+    old = {"a": random_tensor(rng, "BF16", (1000,)), "b": random_tensor(rng, "BF16", (4000, 1000))}
+    new = {k: mutate(rng, v, 0.2) for k, v in old.items()}
+    patch = pulsediff.make_patch_bytes(old, new)
+    live_tensors = _clone(old)
+    body = live.apply_by_sums.__code__
+    fired = []
+
+    def trace(frame, event, arg):
+        if frame.f_code is body:
+            def local(frame, event, arg):
+                if event == "line" and not fired and "known[rec.name]" in _source_line(frame):
+                    fired.append(frame.f_lineno)
+                    raise KeyboardInterrupt
+                return local
+            return local
+        return None
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pulsediff.apply_to_state_dict(live_tensors, patch, check="sums")
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert _same(live_tensors, old)
+
+
+def _source_line(frame) -> str:
+    import linecache
+
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
+def test_sums_of_tensors_that_could_not_be_put_back_are_forgotten(monkeypatch):
+    """A write interrupted before its old values came back cannot be undone: the caller's kept
+    sums then drop that tensor, so its next apply reads it again instead of trusting them."""
+    from pulsediff.kernels import cpu
+
+    old, new = _pair(13, ("BF16",))
+    patch = pulsediff.make_patch_bytes(old, new)
+    live_tensors, sums = _clone(old), {}
+    patched = [t["name"] for t in split_patch(patch)["tensors"] if t["op"] == "patch" and t["changed"]]
+
+    def interrupted(real):
+        def write(view, positions, deltas):
+            real(view, positions, deltas)
+            raise KeyboardInterrupt  # after the write, before its old values are returned
+        return write
+
+    monkeypatch.setattr(cpu, "add_at", interrupted(cpu.add_at))
+    monkeypatch.setattr(cpu, "add_at_summed", interrupted(cpu.add_at_summed))
+    pulsediff.apply_to_state_dict(_clone(old), pulsediff.make_patch_bytes(old, old), check="sums", sums=sums)
+    assert sums  # the sums of `old`, as a caller keeps them
+    with pytest.raises(KeyboardInterrupt) as info:
+        pulsediff.apply_to_state_dict(live_tensors, patch, check="sums", sums=sums)
+    lost = info.value.__notes__[0]
+    assert "not put back" in lost
+    assert any(name in lost for name in patched)
+    assert all(name not in sums for name in patched if name in lost)

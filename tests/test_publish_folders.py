@@ -188,3 +188,17 @@ def test_publish_on_a_pipe_or_quiet_prints_no_progress(train, tmp_path):
     assert proc.returncode == 0
     assert proc.stderr == f"published steps 0 to 2 into {tmp_path / 'out'}: 3 patches and 1 anchor\n"
     assert run("publish", train, tmp_path / "q", "--settle", "0", "-q").stderr == ""
+
+
+def test_step_names_that_look_like_shards_but_are_not_are_steps(tmp_path):
+    """Only Hugging Face's five-digit shard names (model-00001-of-00003) are parts of one checkpoint:
+    a trainer's step-100-of-1000.safetensors is step 100."""
+    train, out = tmp_path / "train", tmp_path / "out"
+    train.mkdir()
+    save_series(train, 2, seed=4, shape=(32, 16), tensors=2, density=0.02)
+    for step in range(3):
+        (train / f"step_{step:06d}.safetensors").rename(train / f"step-{100 * step}-of-1000.safetensors")
+    proc = run("publish", train, out, "--settle", "0", "-q", "--step-pattern", r"step-(\d+)")
+    assert proc.returncode == 0, proc.stderr
+    assert [e.step for e in Manifest.load(out).entries if e.kind == "anchor"][:1] == [0]
+    assert sorted({e.step for e in Manifest.load(out).entries}) == [0, 100, 200]

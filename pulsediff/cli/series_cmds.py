@@ -127,7 +127,7 @@ def catch_up(
         from pulsediff.series.catch_up import plan_catch_up
 
         planned = plan_catch_up(checkpoint, patch_dir, trust=trust or None, trust_state=trust_state,
-                                force=force and output is None)
+                                force=force, out=output)
         if as_json:
             out.json({"step": planned.step, "files": planned.files, "urls": planned.urls, "from_anchor": planned.from_anchor})
             return

@@ -105,7 +105,7 @@ def _is_checkpoint_folder(folder: Path, step_pattern: Optional[str]) -> bool:
     return bool(files) and all(_SHARD_NAME.search(name) or step_in_name(name, regex) is None for name in files)
 
 
-_SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
+_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")  # Hugging Face's, as series.steps.SHARD_NAME
 
 
 def _refuse_checkpoint_as_patch(path: Path) -> None:

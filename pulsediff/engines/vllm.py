@@ -195,8 +195,14 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
             self.last_load = "reload"
-            reload_weights(self.vllm_config, self.model, weights_iterator=iter(state.tensors.items()),
-                           weights_path=None, is_checkpoint_format=True)
+            try:
+                reload_weights(self.vllm_config, self.model, weights_iterator=iter(state.tensors.items()),
+                               weights_path=None, is_checkpoint_format=True)
+            finally:
+                # vLLM's loaders were handed the host tensors themselves (a copy would cost the model's
+                # size): nothing then vouches that none wrote into one, so the next update's base check
+                # reads every tensor again instead of trusting the sums kept from this one.
+                state.sums.clear()
             return
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,

@@ -206,6 +206,9 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
         lost = _roll_back(undo)
         if lost:
             exc.add_note("not put back (interrupted during the write): " + ", ".join(sorted(set(lost))))
+            if sums is not None:  # those tensors no longer have the sums vouched for
+                for name in lost:
+                    sums.pop(name, None)
         raise
     if changes is not None:
         changes.update(_written_positions(undo))
@@ -504,12 +507,15 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
         else:
             scratch = Scratch()
             placed = ((rec, place(rec, payload, decoded, scratch)) for rec, payload, decoded in sections)
-        for rec, count in placed:
-            known[rec.name] = int(rec.target_sum, 16)
-            counts[rec.name] = count
-            if count:
-                names.add(rec.name)
-                elements += count
+        # Closed on any exit, an interrupt in this loop's body included: the side-by-side
+        # generator then waits for every placement still writing before the caller rolls back.
+        with contextlib.closing(placed):
+            for rec, count in placed:
+                known[rec.name] = int(rec.target_sum, 16)
+                counts[rec.name] = count
+                if count:
+                    names.add(rec.name)
+                    elements += count
     for f in header.files:  # a model folder's config and tokenizer: checked, not used here
         if f.section is not None:
             reader.read_next(f.section, f"file {f.name!r}")

@@ -122,16 +122,16 @@ def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
 
 
 def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress: Progress = SILENT, trust=None,
-                  trust_state: Path | None = None, force: bool = False) -> CatchUpPlan:
+                  trust_state: Path | None = None, force: bool = False, out: Path | None = None) -> CatchUpPlan:
     """The files catch-up would apply, judged from the manifest alone (the files need not be here).
 
     For fetching only what is needed: a worker that mirrors the whole folder
     would also download every anchor, each nearly the size of the checkpoint.
     `urls` holds where each file is: its name for a folder (for `rsync
     --files-from`), its URL for a remote source. `trust`: as catch_up's (the
-    rollback record is checked, not written); `force`: as catch_up's in place
-    (a checkpoint that is no step of the series is planned from an anchor,
-    not refused).
+    rollback record is checked, not written); `force` and `out`: as
+    catch_up's (a checkpoint that is no step of the series is planned from an
+    anchor with force in place, refused otherwise, as the run would be).
     """
     from pulsediff.series.signing import as_trust
 
@@ -142,7 +142,8 @@ def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress
     if have == newest.target:
         return CatchUpPlan(newest.step, [], False)
     if have is not None and not _in_series(manifest, have):
-        _refuse_stranger(Path(checkpoint), source, manifest, None, force)
+        other = Path(out) if out is not None and not _same_path(Path(out), Path(checkpoint)) else None
+        _refuse_stranger(Path(checkpoint), source, manifest, other, force)
     paths = cheapest_paths(manifest.entries, have)
     if not paths.reaches(newest.target):
         raise PulsediffError(f"the manifest in {source.location} has no chain from {checkpoint} to step {newest.step}")

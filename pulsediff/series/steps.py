@@ -16,9 +16,10 @@ DEFAULT_STEP_PATTERN = r"(?i)step[_-]?(\d+)|(\d+)(?!.*\d)"
 READY_RULES = ("stable", "marker")
 DEFAULT_SETTLE = 2.0
 MARKER_SUFFIX = ".done"
-# Hugging Face's shard names (model-00001-of-00003.safetensors): the numbers are a shard's place and
-# count, not a step, and the shards are parts of the folder's one checkpoint.
-SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
+# Hugging Face's shard names (model-00001-of-00003.safetensors, always five digits each): the numbers
+# are a shard's place and count, not a step, and the shards are parts of the folder's one checkpoint.
+# Other "-N-of-M" names (a trainer's step-100-of-1000.safetensors) are steps like any other.
+SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
 
 
 def step_in_name(name: str, regex: re.Pattern) -> int | None:
