@@ -202,3 +202,20 @@ def test_step_names_that_look_like_shards_but_are_not_are_steps(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [e.step for e in Manifest.load(out).entries if e.kind == "anchor"][:1] == [0]
     assert sorted({e.step for e in Manifest.load(out).entries}) == [0, 100, 200]
+
+
+def test_an_emptied_training_folder_after_publishing_is_up_to_date(tmp_path):
+    """A trainer that deletes what was published leaves an empty folder: with DEST already holding
+    the steps, publish (and a watch's --idle-exit) is up to date, exit 0, not 'no checkpoints'."""
+    train, out = tmp_path / "train", tmp_path / "out"
+    train.mkdir()
+    save_series(train, 2, seed=6, shape=(32, 16), tensors=2, density=0.02)
+    assert run("publish", train, out, "--settle", "0", "-q").returncode == 0
+    for p in train.iterdir():
+        p.unlink()
+    proc = run("publish", train, out, "--settle", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "up to date" in proc.stderr
+    proc = run("publish", train, out, "--settle", "0", "--watch", "--idle-exit", "1", "--interval", "0.2", "-q")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert Manifest.load(out).newest.step == 2

@@ -264,8 +264,10 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         prev, last_step = path, step
     report.found = len(candidates) - len(report.skipped)
     if not report.found:
-        # An empty folder is a watch's normal start; one that is itself a checkpoint is refused even then.
-        error = one_checkpoint(train_dir, pattern) if empty_ok else no_checkpoints(train_dir, pattern, report.skipped)
+        # An empty folder is a watch's normal start, and normal once DEST holds what it had (a trainer
+        # that deletes what was published); one that is itself a checkpoint is refused even then.
+        quiet_ok = empty_ok or newest is not None
+        error = one_checkpoint(train_dir, pattern) if quiet_ok else no_checkpoints(train_dir, pattern, report.skipped)
         if error is not None:
             raise error
     if keep is not None and dry_run:
@@ -348,7 +350,8 @@ def publish(train_dir: Path, out_dir: "Path | str | Store", *, watch: bool = Fal
 def _publish_loop(train_dir, dest: Store, watch, interval, idle_exit, on_report, kwargs) -> PublishReport:
     total = PublishReport()
     started = time.monotonic()
-    last_change = started if dest.read_manifest_bytes() is not None else None
+    published_before = dest.read_manifest_bytes() is not None
+    last_change = started if published_before else None
     while True:
         report = publish_once(train_dir, dest, empty_ok=watch, **kwargs)
         for name in ("patches", "anchors", "pruned", "steps"):
@@ -363,7 +366,7 @@ def _publish_loop(train_dir, dest: Store, watch, interval, idle_exit, on_report,
             # ends), but not while a first checkpoint is being written: a trainer's first save may take long.
             since = last_change if last_change is not None else started if not report.found else None
             if since is not None and idle_exit is not None and time.monotonic() - since >= idle_exit:
-                if not report.found and not total.steps:
+                if not report.found and not total.steps and not published_before:
                     raise no_checkpoints(train_dir, kwargs.get("pattern", DEFAULT_STEP_PATTERN), report.skipped,
                                          waited=idle_exit)
                 return total
