@@ -6,33 +6,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_run import one_line_error, run
 from ckpt_factory import save_series
 from pulsediff.format.manifest import MANIFEST
 from pulsediff.series.publish import publish_once
 
-PULSEDIFF = [sys.executable, "-m", "pulsediff"]
 STEPS = 4
-
-
-def run(*args, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*PULSEDIFF, *map(str, args)], capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
-    return proc
-
-
-def one_line_error(proc, code: int) -> str:
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pulsediff: error:"), proc.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,26 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_run import one_line_error, run
 from ckpt_factory import mutate, random_tensor, save, save_series
-
-PULSEDIFF = [sys.executable, "-m", "pulsediff"]
-
-
-def run(*args, env=None, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*PULSEDIFF, *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
-    return proc
-
-
-def one_line_error(proc, code: int) -> str:
-    """The one line an error prints (after checking there is exactly one and the exit code)."""
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pulsediff: error:"), proc.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -7,33 +7,14 @@ Every refusal is one line, decided from the headers before any work, and creates
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cli_run import PULSEDIFF, one_line_error, run
 from ckpt_factory import mutate, random_tensor, save, save_sharded
-
-PULSEDIFF = [sys.executable, "-m", "pulsediff"]
-
-
-def run(*args, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*PULSEDIFF, *map(str, args)], capture_output=True, text=True, env=dict(os.environ),
-                          timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
-    return proc
-
-
-def one_line_error(proc, code: int) -> str:
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pulsediff: error:"), proc.stderr
-    return lines[0]
 
 
 def listing(folder: Path) -> list[str]:

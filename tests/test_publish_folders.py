@@ -9,30 +9,26 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import cli_run
+from cli_run import PULSEDIFF
 from ckpt_factory import random_tensor, save_series, save_sharded
 from pulsediff.errors import TrainingFolderError
 from pulsediff.format.manifest import Manifest
 from pulsediff.series.publish import publish, publish_once
 
-PULSEDIFF = [sys.executable, "-m", "pulsediff"]
-
-
 def run(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*PULSEDIFF, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    """The CLI, its exit code left to the test."""
+    return cli_run.run(*args, check=False, timeout=timeout)
 
 
 def one_line_error(proc) -> str:
-    assert proc.returncode == 1, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pulsediff: error:"), proc.stderr
-    return lines[0]
+    return cli_run.one_line_error(proc, 1)
 
 
 def sharded_steps(root: Path, steps: int = 2) -> Path:
