@@ -689,11 +689,11 @@ def word_sum(data: np.ndarray) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, ranks, where):
-    # The countdown walk of apply_ranked, recording where each listed (class, rank)
-    # entry lies instead of writing the element (written out again rather than
-    # shared: a call per listed element would cost its arrays' reference counts).
-    ptr, down = _class_countdowns(counter, class_offsets, ranks, mask + 1)
+def _countdown_walk(base, lo, hi, shift, mask, ptr, down, class_offsets, ranks, where):
+    # The countdown walk of apply_ranked over [lo, hi), recording where each listed (class,
+    # rank) entry lies instead of writing the element (written out again rather than shared
+    # with apply_ranked: a call per listed element would cost its arrays' reference counts).
+    # `ptr` and `down` (from _class_countdowns) are left where the walk ends.
     done = 0
     for i in range(lo, hi):
         k = np.uint64((np.int64(base[np.uint64(i)]) >> shift) & mask)
@@ -711,6 +711,12 @@ def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, r
 
 
 @njit(cache=True, nogil=True)
+def _ranked_positions_range(base, lo, hi, shift, mask, counter, class_offsets, ranks, where):
+    ptr, down = _class_countdowns(counter, class_offsets, ranks, mask + 1)
+    return _countdown_walk(base, lo, hi, shift, mask, ptr, down, class_offsets, ranks, where)
+
+
+@njit(cache=True, nogil=True)
 def _locate_whole(base, shift, mask, class_offsets, ranks, where, sizes):
     # The countdown walk of the whole tensor from zero counts, on one thread: no class
     # histogram first (that pass only lets ranges start mid-tensor). The class sizes come
@@ -719,19 +725,7 @@ def _locate_whole(base, shift, mask, class_offsets, ranks, where, sizes):
     ncls = mask + 1
     ptr, down = _class_countdowns(np.zeros(ncls, np.int64), class_offsets, ranks, ncls)
     first = ptr.copy()
-    done = 0
-    for i in range(base.size):
-        k = np.uint64((np.int64(base[np.uint64(i)]) >> shift) & mask)
-        e = down[k]
-        down[k] = e - 1
-        if e == 0:
-            p = ptr[k]
-            where[p] = i
-            r = ranks[p]
-            p += 1
-            ptr[k] = p
-            down[k] = ranks[p] - r - 1 if p < class_offsets[k + _U1] else _NEVER
-            done += 1
+    done = _countdown_walk(base, 0, base.size, shift, mask, ptr, down, class_offsets, ranks, where)
     for k in range(ncls):
         p = ptr[k]
         if p < class_offsets[k + 1]:
