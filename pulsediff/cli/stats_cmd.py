@@ -91,7 +91,7 @@ def _is_checkpoint_folder(folder: Path, step_pattern: Optional[str]) -> bool:
     """A folder that is one checkpoint, not a series of them: shards with their index, HF-named shards, or
     .safetensors files none of whose names carries a step number (a model folder's model.safetensors)."""
     from pulsediff.io.checkpoint import INDEX_NAME
-    from pulsediff.series.steps import DEFAULT_STEP_PATTERN, step_in_name
+    from pulsediff.series.steps import DEFAULT_STEP_PATTERN, SHARD_NAME, step_in_name
 
     if (folder / INDEX_NAME).is_file():
         return True
@@ -102,10 +102,7 @@ def _is_checkpoint_folder(folder: Path, step_pattern: Optional[str]) -> bool:
         regex = None
     if regex is None or regex.groups < 1:  # a bad pattern is refused later, with its own message
         regex = re.compile(DEFAULT_STEP_PATTERN)
-    return bool(files) and all(_SHARD_NAME.search(name) or step_in_name(name, regex) is None for name in files)
-
-
-_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")  # Hugging Face's, as series.steps.SHARD_NAME
+    return bool(files) and all(SHARD_NAME.search(name) or step_in_name(name, regex) is None for name in files)
 
 
 def _refuse_checkpoint_as_patch(path: Path) -> None:

@@ -142,8 +142,7 @@ def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress
     if have == newest.target:
         return CatchUpPlan(newest.step, [], False)
     if have is not None and not _in_series(manifest, have):
-        other = Path(out) if out is not None and not _same_path(Path(out), Path(checkpoint)) else None
-        _refuse_stranger(Path(checkpoint), source, manifest, other, force)
+        _refuse_stranger(Path(checkpoint), source, manifest, out, force)
     paths = cheapest_paths(manifest.entries, have)
     if not paths.reaches(newest.target):
         raise PulsediffError(f"the manifest in {source.location} has no chain from {checkpoint} to step {newest.step}")
@@ -220,8 +219,7 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
         return CatchUpResult("up-to-date", out_path, newest.step, [], False, [], newest=newest.step)
     stranger = ids is not None and not _in_series(manifest, have)
     if stranger:
-        _refuse_stranger(checkpoint, source, manifest, out if out is not None and not _same_path(out, checkpoint)
-                         else None, force)
+        _refuse_stranger(checkpoint, source, manifest, out, force)
     problems = source.known_problems(manifest.entries)
     goal, chain = _intact_chain(manifest, have, [d for _, d in _goals(manifest, have)], source, check, problems,
                                 progress)
@@ -268,6 +266,8 @@ def _in_series(manifest: Manifest, digest: str) -> bool:
 def _refuse_stranger(checkpoint: Path, source: Store, manifest: Manifest, out: Path | None, force: bool) -> None:
     """A checkpoint the manifest does not list would be replaced wholesale from an anchor: only with force, in
     place. Written to another `out`, it would not be the worker's model moved on, whatever the flags."""
+    if out is not None and _same_path(Path(out), checkpoint):
+        out = None  # in place
     what = (f"{checkpoint} is not a step of the series in {source.location} (the manifest lists no step with its "
             f"digest: another model, or a step older than those the series keeps)")
     if out is not None:
