@@ -3,7 +3,7 @@
 torch's `index_copy_` of the same changes as raw int64 indices and BF16 values (what the RL frameworks'
 sparse syncs do), alternating in one process, medians; then where the decode's time goes.
 
-    python scripts/bench_live_decode.py [--layers 16] [--rounds 5]
+    python scripts/bench_live_decode.py [--layers 16] [--rounds 5] [--codecs ctx-rans ctx-ac]
 
 The state dict is Qwen2-shaped (hidden 1536, 12 heads, 2 KV heads, intermediate 4096, vocab 32000, untied
 head; --layers 16: 0.98 GB in BF16), weights N(0, 0.02) in BF16; each round's target changes 1% of every
@@ -13,6 +13,9 @@ runs before it loads anything (scripts/bench_vllm.py times the whole engine upda
 The split (the patch's sections in turn): the entropy decode (`decode_changes`, one thread), the class
 walk (`locate_ranked`: class counts, then the rank-to-position walk) and `word_sum` (each on the backend's
 threads), per change or per element. Every apply is checked bit for bit against the target.
+
+With --codecs, each round makes one patch per codec, and the `check="sums"` decode of each alternates
+with the others and with index_copy_ (the digests check runs for the first codec only).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--codecs", nargs="+", default=None, help="codecs to compare (default: make's default)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -115,50 +119,61 @@ def main(argv=None) -> int:
     base = {n: (torch.from_numpy(rng.standard_normal(s, dtype=np.float32)) * 0.02).to(torch.bfloat16)
             for n, s in shapes.items()}
     elements = sum(t.numel() for t in base.values())
-    times: dict[str, list[float]] = {"sums": [], "digests": [], "index_copy_": []}
-    changes = patch_len = 0
+    from pulsediff.codecs import DEFAULT_SPARSE_CODEC
+
+    codecs = args.codecs or [DEFAULT_SPARSE_CODEC]
+    ways = [f"sums {c}" for c in codecs] + [f"digests {codecs[0]}", "index_copy_"]
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    changes = 0
+    patch_len: dict[str, int] = {}
+    split: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
         target = step(base, rng, args.density)
-        patch = make_patch_bytes(base, target)
-        patch_len = len(patch)
+        patches = {c: make_patch_bytes(base, target, codec=c) for c in codecs}
+        patch_len = {c: len(p) for c, p in patches.items()}
         staged = {}
         for name, t in target.items():
             a, b = base[name].view(torch.int16).reshape(-1), t.view(torch.int16).reshape(-1)
             idx = torch.nonzero(a != b).squeeze(1)
             staged[name] = (idx, t.reshape(-1)[idx].clone())
         changes = sum(idx.numel() for idx, _ in staged.values())
-        ways = ["sums", "digests", "index_copy_"]
-        for way in ways[r % 3:] + ways[:r % 3]:  # each first in turn
+        turn = r % len(ways)
+        for way in ways[turn:] + ways[:turn]:  # each first in turn
             live = {n: t.clone() for n, t in base.items()}
             t0 = time.perf_counter()
             if way == "index_copy_":
                 for name, (idx, values) in staged.items():
                     live[name].view(-1).index_copy_(0, idx, values)
             else:
-                apply_to_state_dict(live, patch, check=way)
+                check, codec = way.split()
+                apply_to_state_dict(live, patches[codec], check=check)
             times[way].append(time.perf_counter() - t0)
             assert all(torch.equal(live[n].view(torch.int16), target[n].view(torch.int16)) for n in live), way
         if r == args.rounds - 1:
-            split = split_times(base, patch)
+            split = {c: split_times(base, p) for c, p in patches.items()}
         base = target
 
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\nQwen2-shaped state dict, {args.layers} layers, {elements / 1e6:.0f}M BF16 elements "
           f"({2 * elements / 1e9:.2f} GB), {changes / 1e6:.2f}M changes per step ({100 * args.density:g}%), "
-          f"patch {patch_len / 1e6:.2f} MB; {args.rounds} rounds alternating, medians; "
-          f"{num_threads()} threads, {os.cpu_count()} cores; torch {torch.__version__}\n")
+          f"patch {', '.join(f'{c} {n / 1e6:.2f} MB' for c, n in patch_len.items())}; {args.rounds} rounds "
+          f"alternating, medians; {num_threads()} threads, {os.cpu_count()} cores; torch {torch.__version__}\n")
     print("| decode on host tensors | median | ratio to index_copy_ |")
     print("|---|---:|---:|")
-    for key, label in (("sums", '`apply_to_state_dict(check="sums")`, as the engine backend decodes'),
-                       ("digests", '`apply_to_state_dict(check="digests")`, the CPU default'),
-                       ("index_copy_", "torch `index_copy_` of raw int64 indices and BF16 values")):
-        print(f"| {label} | {1e3 * med[key]:,.1f} ms | {med[key] / med['index_copy_']:.1f} |")
-    if split:
-        print("\n| the last round's patch, part by part | total | per unit |")
+    for way in ways:
+        if way == "index_copy_":
+            label = "torch `index_copy_` of raw int64 indices and BF16 values"
+        else:
+            check, codec = way.split()
+            label = (f'`apply_to_state_dict(check="{check}")`, {codec}, '
+                     + ("as the engine backend decodes" if check == "sums" else "the CPU default"))
+        print(f"| {label} | {1e3 * med[way]:,.1f} ms | {med[way] / med['index_copy_']:.1f} |")
+    for codec, took in split.items():
+        print(f"\n| the last round's {codec} patch, part by part | total | per unit |")
         print("|---|---:|---:|")
         for key, unit, n in (("entropy decode", "change", changes), ("class walk", "element", elements),
                              ("word_sum", "element", elements)):
-            print(f"| {key} | {1e3 * split[key]:,.1f} ms | {1e9 * split[key] / n:.2f} ns per {unit} |")
+            print(f"| {key} | {1e3 * took[key]:,.1f} ms | {1e9 * took[key] / n:.2f} ns per {unit} |")
     return 0
 
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env python
-"""make and apply as users run them, under several --device values or PULSEDIFF_THREADS counts,
-alternating in one run (issue 27).
+"""make and apply as users run them, under several --device values, PULSEDIFF_THREADS counts or
+--codec values, alternating in one run (issues 27 and 34).
 
     python scripts/bench_variants.py --threads 1 2 [--old OLD --new NEW] [--repeats 5]
     python scripts/bench_variants.py --devices cpu auto cuda --gb 1.0 --density 0.02
+    python scripts/bench_variants.py --codecs ctx-rans ctx-ac --old OLD --new NEW
 
 Generates the pair with make_synthetic_pair.py (next to this file) unless --old/--new are given.
 Each round runs, for every variant, `make OLD NEW -o P -q` and `apply OLD P -o OUT -q`, and, to
 measure the process start, `make` of a 4096-element pair; each in a fresh process, wall time
 from spawn to exit (imports and kernel-cache loads included, as a user waits for them). A first
 round is untimed (page cache, Numba's cache). Every patch must be byte-identical to the first
-and every OUT to NEW. Prints medians, the start-subtracted work and its ratio to the first
+of its variant, and every OUT to NEW. Prints medians, the start-subtracted work and its ratio to the first
 variant's.
 """
 
@@ -62,6 +63,7 @@ def main(argv=None) -> int:
     variants = ap.add_mutually_exclusive_group(required=True)
     variants.add_argument("--threads", type=int, nargs="+", help="PULSEDIFF_THREADS values to compare")
     variants.add_argument("--devices", nargs="+", help="--device values to compare")
+    variants.add_argument("--codecs", nargs="+", help="make --codec values to compare")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args(argv)
@@ -73,27 +75,30 @@ def main(argv=None) -> int:
                         str(args.density), "--out", str(work), "-q"], check=True)
         old, new = work / "old.safetensors", work / "new.safetensors"
     t_old, t_new = tiny_pair(work)
+    # per variant: (environment, make's extra arguments, apply's)
     if args.threads:
         label, names = "PULSEDIFF_THREADS", [str(t) for t in args.threads]
-        setting = {n: ({"PULSEDIFF_THREADS": n}, []) for n in names}
-    else:
+        setting = {n: ({"PULSEDIFF_THREADS": n}, [], []) for n in names}
+    elif args.devices:
         label, names = "--device", list(args.devices)
-        setting = {n: ({}, ["--device", n]) for n in names}
+        setting = {n: ({}, ["--device", n], ["--device", n]) for n in names}
+    else:
+        label, names = "--codec", list(args.codecs)
+        setting = {n: ({}, ["--codec", n], []) for n in names}
     cli = [sys.executable, "-m", "pulsediff"]
     times: dict[tuple[str, str], list[float]] = {}
-    first = None
     for r in range(args.repeats + 1):
         for name in names:
-            env, extra = setting[name]
+            env, make_extra, apply_extra = setting[name]
             patch, out, tp = work / f"p.{name}", work / f"out.{name}.safetensors", work / f"tp.{name}"
             for p in (patch, out, tp):
                 if p.exists():
                     p.unlink()
-            row = {"make": run([*cli, "make", str(old), str(new), "-o", str(patch), "-q", *extra], env),
-                   "apply": run([*cli, "apply", str(old), str(patch), "-o", str(out), "-q", *extra], env),
-                   "start": run([*cli, "make", str(t_old), str(t_new), "-o", str(tp), "-q", *extra], env)}
-            if first is None:
-                first = work / "p.first"
+            row = {"make": run([*cli, "make", str(old), str(new), "-o", str(patch), "-q", *make_extra], env),
+                   "apply": run([*cli, "apply", str(old), str(patch), "-o", str(out), "-q", *apply_extra], env),
+                   "start": run([*cli, "make", str(t_old), str(t_new), "-o", str(tp), "-q", *make_extra], env)}
+            first = work / f"p.first.{name}"
+            if not first.exists():
                 shutil.copyfile(patch, first)
             if not filecmp.cmp(patch, first, shallow=False) or not filecmp.cmp(out, new, shallow=False):
                 raise SystemExit(f"{label} {name}: patch or output differs")
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     base = names[0]
     print(f"\n{os.path.getsize(new) / 1e9:.3f} GB pair ({new.name}), {args.repeats} rounds alternating, medians; "
-          "every patch identical, every output cmp-identical to NEW\n")
+          "every patch identical within its variant, every output cmp-identical to NEW\n")
+    print("patch bytes: " + ", ".join(f"{n} {os.path.getsize(work / f'p.first.{n}'):,}" for n in names) + "\n")
     print(f"| {label} | start (tiny make) | make | apply | make - start | apply - start "
           f"| make ratio to {base} | apply ratio to {base} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

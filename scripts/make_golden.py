@@ -8,6 +8,7 @@ is that patches written by an old pulsediff keep applying, byte for byte.
     python scripts/make_golden.py tests/golden/v1      # format 1.0 (committed by pulsediff 0.1.0)
     python scripts/make_golden.py tests/golden/v1.1    # format 1.1: layout digest, model folders
     python scripts/make_golden.py tests/golden/v1.2    # format 1.2: per-tensor word sums
+    python scripts/make_golden.py tests/golden/v1.3    # format 1.3: codec ctx-ac
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from pulsediff import make_patch
 from pulsediff.ops.inspect import checkpoint_digest_of
 
 
-CODECS = ("gap-zstd", "ctx-rans")
+CODECS = ("gap-zstd", "ctx-rans", "ctx-ac")
+SINCE = {"ctx-ac": (1, 3)}  # codecs newer than format 1.0: no golden file of an older version has them
+
+
+def codecs_of(out: Path) -> tuple[str, ...]:
+    version = tuple(int(x) for x in out.name.lstrip("v").split(".")) + (0,)
+    return tuple(c for c in CODECS if version[:2] >= SINCE.get(c, (1, 0)))
 
 
 def _write_once(path: Path, write) -> None:
@@ -33,6 +40,7 @@ def _write_once(path: Path, write) -> None:
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    codecs = codecs_of(out)
     rng = np.random.default_rng(20261122)
     g = torch.Generator().manual_seed(20261122)
     w = torch.randn(48, 40, generator=g).bfloat16()
@@ -42,7 +50,7 @@ def main(out: Path) -> None:
     target = {"w": w2.view(torch.bfloat16), "f32": base["f32"] * 2, "ids": base["ids"], "added": torch.zeros(3, dtype=torch.float16)}
     _write_once(out / "base.safetensors", lambda p: save_file(base, str(p), metadata={"step": "0"}))
     _write_once(out / "target.safetensors", lambda p: save_file(target, str(p), metadata={"step": "1"}))
-    for codec in CODECS:
+    for codec in codecs:
         _write_once(out / f"exact.{codec}.pulsediff", lambda p: make_patch(
             out / "base.safetensors", out / "target.safetensors", p, codec=codec, device="cpu"))
 
@@ -51,23 +59,23 @@ def main(out: Path) -> None:
     _write_once(out / "base32.safetensors", lambda p: save_file({"m": m0}, str(p)))
     _write_once(out / "target32.safetensors", lambda p: save_file({"m": m1}, str(p)))
     _write_once(out / "target32.as-bf16.safetensors", lambda p: save_file({"m": m1.bfloat16()}, str(p)))
-    for codec in CODECS:
+    for codec in codecs:
         _write_once(out / f"bf16.{codec}.pulsediff", lambda p: make_patch(
             out / "base32.safetensors", out / "target32.safetensors", p, precision="bf16", codec=codec, device="cpu"))
 
     expected = {}
-    for codec in CODECS:
+    for codec in codecs:
         expected[f"exact.{codec}.pulsediff"] = {
             "base": "base.safetensors", "target": "target.safetensors",
             "target_digest": checkpoint_digest_of(out / "target.safetensors")}
         expected[f"bf16.{codec}.pulsediff"] = {
             "base": "base32.safetensors", "target": "target32.as-bf16.safetensors",
             "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16")}
-    _folder_cases(out, g, expected)
+    _folder_cases(out, g, expected, codecs)
     (out / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
 
 
-def _folder_cases(out: Path, g: torch.Generator, expected: dict) -> None:
+def _folder_cases(out: Path, g: torch.Generator, expected: dict, codecs: tuple[str, ...]) -> None:
     """Format 1.1 and later: sharded model folders with their other files (config, tokenizer)."""
     if out.name == "v1":
         return  # format 1.0 had no folder files; its golden files are as 0.1.0 wrote them
@@ -92,7 +100,7 @@ def _folder_cases(out: Path, g: torch.Generator, expected: dict) -> None:
                                                         {"tokenizer.json": tokenizer, "notes.txt": "dropped"}))
     _write_once(out / "target_dir", lambda p: save_folder(p, target, '{"model_type": "llama", "step": 1}\n',
                                                           {"tokenizer.json": tokenizer}))
-    for codec in CODECS:
+    for codec in codecs:
         name = f"exact.folder.{codec}.pulsediff"
         _write_once(out / name, lambda p: make_patch(out / "base_dir", out / "target_dir", p, codec=codec, device="cpu"))
         expected[name] = {"base": "base_dir", "target": "target_dir",

@@ -295,7 +295,7 @@ def build_corpus(root: Path, big_bombs: bool = False) -> Corpus:
     (root / "ckpt").mkdir()
     for i, state in enumerate((s0, s1, s2)):
         save(state, root / f"ckpt/s{i}.safetensors", metadata={"format": "pt"})
-    for codec in ("ctx-rans", "gap-zstd"):
+    for codec in ("ctx-ac", "ctx-rans", "gap-zstd"):
         for a, b in ((0, 1), (1, 2)):
             make_patch(root / f"ckpt/s{a}.safetensors", root / f"ckpt/s{b}.safetensors",
                        root / f"ckpt/{codec}-{a}{b}.pulsediff", codec=codec, device="cpu")
@@ -318,7 +318,7 @@ def build_corpus(root: Path, big_bombs: bool = False) -> Corpus:
         (d / "tokenizer.json").write_text('{"vocab": ["a", "b"]}')
     (old_dir / "README.md").write_text("old")
     (new_dir / "generation_config.json").write_text("{}")
-    for codec in ("ctx-rans", "gap-zstd"):
+    for codec in ("ctx-ac", "ctx-rans", "gap-zstd"):
         make_patch(old_dir, new_dir, root / f"dir/{codec}.pulsediff", codec=codec, device="cpu")
         record(f"dir-{codec}", "exact", "dir/old", "dir/new", f"dir/{codec}.pulsediff", "dir")
 
@@ -800,6 +800,36 @@ def mutate_ctx_rans(rng: random.Random, body: bytes, params: dict, numel: int, i
     return b"".join(parts), params
 
 
+def mutate_ctx_ac(rng: random.Random, body: bytes, params: dict, numel: int, itemsize: int) -> tuple[bytes, dict]:
+    """The three parts of a ctx-ac section (FORMAT.md 6.4): position part, sign bitmap, value stream."""
+    params = dict(params)
+    count = params.get("count") if isinstance(params.get("count"), int) and params.get("count") > 0 else 1
+    split = params.get("position_bytes") if isinstance(params.get("position_bytes"), int) else 0
+    split = min(max(split, 0), len(body))
+    sign_end = min(split + (count + 7) // 8, len(body))
+    parts = [body[:split], body[split:sign_end], body[sign_end:]]
+    which = rng.randrange(7)
+    if which in (0, 1, 2):  # one part's bytes
+        parts[which] = rng.choice([mutate_bytes(rng, parts[which]), parts[which][: rng.randrange(len(parts[which]) + 1)],
+                                   parts[which] + bytes([rng.randrange(256)]), b"\xff" * len(parts[which]),
+                                   b"\0" * len(parts[which])])
+    elif which == 3:  # the range streams' ends: a zero byte appended, or the last byte dropped
+        i = rng.choice([0, 2])
+        parts[i] = rng.choice([parts[i] + b"\0", parts[i][:-1], parts[i] + b"\0" * 4])
+    elif which == 4:
+        key = rng.choice(["class_shift", "class_bits", "count", "position_bytes"])
+        params[key] = rng.choice([0, 1, 7, 12, 13, 52, 63, 64, params.get(key, 0) + 1, params.get(key, 0) - 1,
+                                  hostile_value(rng, params.get(key), [])])
+    elif which == 5:
+        i, j = rng.sample(range(3), 2)
+        parts[i], parts[j] = parts[j], parts[i]
+    else:
+        return mutate_bytes(rng, body), params
+    if which != 4 and rng.random() < 0.9:
+        params["position_bytes"] = len(parts[0])
+    return b"".join(parts), params
+
+
 def mutate_section(rng: random.Random, corpus: Corpus, entry: dict) -> None:
     """Change one tensor's section (and sometimes its entry), as deep as its codec allows."""
     sec = entry["section"]
@@ -809,6 +839,8 @@ def mutate_section(rng: random.Random, corpus: Corpus, entry: dict) -> None:
         sec["__body__"], sec["params"] = mutate_gap_zstd(rng, body, sec["params"], numel, itemsize)
     elif codec == "ctx-rans":
         sec["__body__"], sec["params"] = mutate_ctx_rans(rng, body, sec["params"], numel, itemsize)
+    elif codec == "ctx-ac":
+        sec["__body__"], sec["params"] = mutate_ctx_ac(rng, body, sec["params"], numel, itemsize)
     else:
         sec["__body__"] = mutate_zstd(rng, body, corpus)
     if rng.random() < 0.2 and isinstance(sec["params"].get("count"), int):
@@ -1448,7 +1480,7 @@ def case_checkpoint(corpus: Corpus, rng: random.Random, work: Path, judge: Judge
         if rng.random() < 0.1:
             publish_hostile(corpus, rng, work, judge, hostile)
     precision = "bf16" if rng.random() < 0.15 else "exact"
-    codec = rng.choice(["ctx-rans", "gap-zstd"])
+    codec = rng.choice(["ctx-ac", "ctx-rans", "gap-zstd"])
 
     def make(a, b, out):
         return lambda: make_patch(a, b, out, precision=precision, codec=codec, device="cpu")

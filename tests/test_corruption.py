@@ -136,15 +136,16 @@ def test_hostile_headers_are_refused(small_pair, tmp_path):
     refuse(set_param("count", str(header["tensors"][patched]["changed"])), "count")
     refuse(set_param("count", float(header["tensors"][patched]["changed"])), "count")
     refuse(set_param("count", True), "count")
-    index_key = "gap_bytes" if header["tensors"][patched]["section"]["codec"] == "gap-zstd" else "table_bytes"
+    codec = header["tensors"][patched]["section"]["codec"]
+    index_key = {"gap-zstd": "gap_bytes", "ctx-rans": "table_bytes", "ctx-ac": "position_bytes"}[codec]
     refuse(set_param(index_key, "12"), "index size")
     refuse(set_param(index_key, [1]), "index size")
-    if header["tensors"][patched]["section"]["codec"] == "gap-zstd":
+    refuse(set_param(index_key, 10**9), "index size")
+    if codec == "gap-zstd":
         refuse(set_param("gap_width", 3), "gap_width")
-        refuse(set_param("gap_bytes", 10**9), "index size")
     else:
         refuse(set_param("class_bits", 40), "class_bits")
-        refuse(set_param("table_bytes", 10**9), "index size")
+    if codec == "ctx-rans":
         refuse(set_param("escapes", 10**6), "escapes")
     refuse(lambda h: h["tensors"][patched]["section"].update(codec="lzma-9000"), "unknown codec")
     refuse(lambda h: h["tensors"][patched]["section"].update(offset=0), "contiguous")
@@ -210,7 +211,7 @@ def test_magic_and_version_are_pinned():
     assert MAGIC == b"PULSEDIF"
     assert PATCH_MAGIC == MAGIC  # the checkpoint reader names a patch given in a checkpoint's place by it
     assert FORMAT_MAJOR == 1
-    assert FORMAT_MINOR == 2  # 1.1: layout digest, folder files; 1.2: word sums (docs/FORMAT.md §11)
+    assert FORMAT_MINOR == 3  # 1.1: layout digest, folder files; 1.2: word sums; 1.3: ctx-ac (docs/FORMAT.md §11)
     assert PREAMBLE.size == 32
 
 

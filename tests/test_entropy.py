@@ -205,10 +205,10 @@ def test_values_thread_is_made_again_after_a_fork(monkeypatch):
     """A forked child inherits the executor object but not its thread: it must get a new one."""
     from pulsediff.codecs import ctx_rans
 
-    first = ctx_rans._values_executor()
-    assert ctx_rans._values_executor() is first
+    first = ctx_rans.values_executor()
+    assert ctx_rans.values_executor() is first
     monkeypatch.setattr(ctx_rans.os, "getpid", lambda: -1)  # as if in a child
-    second = ctx_rans._values_executor()
+    second = ctx_rans.values_executor()
     assert second is not first
     assert second.submit(lambda: 7).result(timeout=30) == 7
 

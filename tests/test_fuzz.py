@@ -37,7 +37,7 @@ from pulsediff.format.header import PatchHeader
 from pulsediff.io.safetensors_header import HeaderError, parse_header
 
 # Cases per kind in CI: about a minute in all on a 2-core machine. The campaign runs 100,000.
-CI_CASES = {"gap-zstd": 400, "ctx-rans": 400, "full-zstd": 300, "header": 500, "layout": 400, "checkpoint": 300,
+CI_CASES = {"gap-zstd": 400, "ctx-rans": 400, "ctx-ac": 400, "full-zstd": 300, "header": 500, "layout": 400, "checkpoint": 300,
             "manifest": 300}
 
 
@@ -80,7 +80,7 @@ def test_fuzz_cases(corpus, tmp_path, kind, one_kernel_thread):
     assert verdicts.get("refused") and (verdicts.get("accepted") or kind == "full-zstd"), verdicts
 
 
-@pytest.mark.parametrize("kind,cases", [("ctx-rans", 300), ("gap-zstd", 150)])
+@pytest.mark.parametrize("kind,cases", [("ctx-ac", 300), ("ctx-rans", 300), ("gap-zstd", 150)])
 def test_fuzz_cases_rebuilt_side_by_side(corpus, tmp_path, kind, cases, monkeypatch):
     """The same kind of mutated sections through apply's other path: every (tiny) tensor rebuilt on
     a worker thread of its own beside the others (Codec.decode_alone; apply._SideBySide)."""

@@ -71,7 +71,7 @@ def test_tensor_checks_block_by_block_equal_the_references():
             assert digest == tensor_hash(a) and int(word_sum, 16) == word_sum_ref(a)
 
 
-@pytest.mark.parametrize("codec", ["ctx-rans", "gap-zstd"])
+@pytest.mark.parametrize("codec", ["ctx-rans", "ctx-ac", "gap-zstd"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_sums_path_matches_the_digests_path_for_every_dtype(codec, seed):
     old, new = _pair(seed)
@@ -323,7 +323,7 @@ def test_tied_weights_are_patched_once_through_either_path():
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_fuzzed_sections_behind_valid_checksums_on_the_sums_path():
-    """300 ctx-rans and gap-zstd sections mutated as deep as their codecs allow (tests/fuzz_cases),
+    """300 ctx-rans, ctx-ac and gap-zstd sections mutated as deep as their codecs allow (tests/fuzz_cases),
     checksums recomputed: the sums path either refuses with a PulsediffError and leaves every
     tensor as it was, or accepts, and then the digests path accepts too with the same tensors."""
     import random
@@ -333,11 +333,12 @@ def test_fuzzed_sections_behind_valid_checksums_on_the_sums_path():
     from fuzz_cases import mutate_section
 
     old, new = _pair(14, ("BF16", "F32", "I16"), density=0.1)
-    patches = {codec: split_patch(pulsediff.make_patch_bytes(old, new, codec=codec)) for codec in ("ctx-rans", "gap-zstd")}
+    codecs = ("ctx-rans", "ctx-ac", "gap-zstd")
+    patches = {codec: split_patch(pulsediff.make_patch_bytes(old, new, codec=codec)) for codec in codecs}
     outcomes = {"refused": 0, "accepted": 0}
     for seed in range(300):
         rng = random.Random(seed)
-        header = split_patch(assemble(patches["ctx-rans" if seed % 3 else "gap-zstd"]))
+        header = split_patch(assemble(patches[codecs[seed % 3]]))
         entry = rng.choice([t for t in header["tensors"] if t["op"] == "patch"])
         mutate_section(rng, None, entry)
         data = assemble(header)

@@ -20,12 +20,13 @@ Device = Annotated[
 # These mirror pulsediff.codecs (DEFAULT_SPARSE_CODEC, SPARSE_CODECS) and pulsediff.io.checkpoint.PRECISIONS:
 # importing those would load numba and numpy on --help. tests/test_cli.py checks they agree.
 DEFAULT_CODEC = "ctx-rans"
-CODECS = ("ctx-rans", "gap-zstd")
+CODECS = ("ctx-rans", "ctx-ac", "gap-zstd")
 PRECISIONS = ("exact", "bf16")
 Codec = Annotated[
-    Literal["ctx-rans", "gap-zstd"],
-    typer.Option("--codec", help="Codec for changed tensors: ctx-rans (base-context positions, base-relative "
-                 "values; smallest) or gap-zstd (the PULSESync paper's)."),
+    Literal["ctx-rans", "ctx-ac", "gap-zstd"],
+    typer.Option("--codec", metavar="CODEC", help="Codec for changed tensors: ctx-rans (base-context positions, "
+                 "base-relative values), ctx-ac (the same coded adaptively per exponent class: 10-16% smaller, "
+                 "decodes slower; format 1.3 readers) or gap-zstd (the PULSESync paper's)."),
 ]
 Precision = Annotated[
     Literal["exact", "bf16"],

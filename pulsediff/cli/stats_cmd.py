@@ -73,7 +73,7 @@ def stats(
                   ["ULPs", "elements", "share"],
                   [(k, f"{v:,}", f"{100 * v / total:.2f}%") for k, v in s.ulp_histogram.items()], right=(1, 2))
     elif s.changed:
-        out.info("ULP histogram: only for codecs that store differences (--codec ctx-rans)")
+        out.info("ULP histogram: only for codecs that store differences (--codec ctx-rans or ctx-ac)")
     rows = sorted(s.per_tensor, key=lambda t: (-t.bytes, t.name))
     if top > 0:
         rows = rows[:top]

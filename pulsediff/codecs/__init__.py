@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from pulsediff.errors import UnknownCodecError
 from pulsediff.codecs.base import Codec
+from pulsediff.codecs.ctx_ac import CtxAc
 from pulsediff.codecs.ctx_rans import CtxRans
 from pulsediff.codecs.full_zstd import FullZstd
 from pulsediff.codecs.gap_zstd import GapZstd
 
-REGISTRY: dict[str, Codec] = {c.id: c for c in (GapZstd(), CtxRans(), FullZstd())}
+REGISTRY: dict[str, Codec] = {c.id: c for c in (GapZstd(), CtxRans(), CtxAc(), FullZstd())}
 
 # Codecs `make --codec` may choose for changed tensors (FullZstd is picked per
 # tensor when a sparse encoding would not be smaller).
-SPARSE_CODECS = ("gap-zstd", "ctx-rans")
+SPARSE_CODECS = ("gap-zstd", "ctx-rans", "ctx-ac")
+# ctx-ac is 10-16% smaller on realistic steps but decodes slower (docs/BENCHMARKS.md): opt-in until it does not.
 DEFAULT_SPARSE_CODEC = "ctx-rans"
 
 

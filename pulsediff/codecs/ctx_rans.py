@@ -58,7 +58,7 @@ _MAX_Q_BITS = 20
 _values_thread: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def _values_executor() -> ThreadPoolExecutor:
+def values_executor() -> ThreadPoolExecutor:
     global _values_thread
     if _values_thread is None or _values_thread[0] != os.getpid():
         _values_thread = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsediff-values"))
@@ -124,12 +124,12 @@ _U256, _U512, _U768 = np.uint64(256), np.uint64(512), np.uint64(768)
 
 
 @njit(cache=True, nogil=True)
-def _class_major(classes, ranks, zigzag, ncls, escape):
+def class_major(classes, ranks, zigzag, ncls, escape):
     """Regroup the changed elements class by class (a stable counting sort), in one scatter.
 
     In: per changed element in position order, its class, its rank within the
     class (ascending within each class) and its zigzag delta. Out: elements
-    per class; the ranks in class-major order (uint64, which _rice_parameters
+    per class; the ranks in class-major order (uint64, which rice_parameters
     turns into the Rice values in place); the rANS symbols min(delta, escape)
     in class-major order and their counts; the escaped deltas, class-major.
 
@@ -229,7 +229,7 @@ def _class_major(classes, ranks, zigzag, ncls, escape):
 
 
 @njit(cache=True, nogil=True)
-def _rice_parameters(values, counts):
+def rice_parameters(values, counts):
     """Per group of `values` (class-major ranks, turned here in place into the Rice values,
     rank gap - 1): the Rice parameter with the fewest bits among log2 of the mean and its
     neighbours (ties: the smaller k), then raised so that no unary run exceeds _MAX_Q_BITS
@@ -310,7 +310,7 @@ class CtxRans(Codec):
         base_at = base[positions]
         classes = ((base_at.astype(np.int64) >> shift) & mask).astype(np.uint16)
         zigzag = _zigzag_deltas(base_at, values, base.dtype.itemsize * 8).astype(base.dtype)
-        return _encode_ranked(classes, ranks, zigzag, shift, bits)
+        return self._encode_ranked(classes, ranks, zigzag, shift, bits)
 
     def encode_pair(self, base, target, dtype=None, kernels=None, max_changed=None):
         """Compare and encode in one read of the pair (kernels.diff_ranks)."""
@@ -319,7 +319,7 @@ class CtxRans(Codec):
         zigzag, classes, ranks, _ = kernels.diff_ranks(base, target, shift, (1 << bits) - 1)
         if max_changed is not None and zigzag.size > max_changed:
             return zigzag.size, None
-        return zigzag.size, _encode_ranked(classes, ranks, zigzag, shift, bits)
+        return zigzag.size, self._encode_ranked(classes, ranks, zigzag, shift, bits)
 
     def fuses_checks(self, kernels):
         return hasattr(kernels, "diff_ranks_checked")  # the CPU kernels
@@ -332,11 +332,11 @@ class CtxRans(Codec):
             base, target, shift, (1 << bits) - 1, base_hasher, target_hasher)
         if zigzag.size == 0 or max_changed is not None and zigzag.size > max_changed:
             return zigzag.size, None, base_sum, target_sum
-        return zigzag.size, _encode_ranked(classes, ranks, zigzag, shift, bits), base_sum, target_sum
+        return zigzag.size, self._encode_ranked(classes, ranks, zigzag, shift, bits), base_sum, target_sum
 
     def decode(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch) -> np.ndarray:
         # The base's classes are counted while the values decode on the other thread.
-        entries, (starts, sizes) = _decode_entries(payload, params, ctx, scratch,
+        entries, (starts, sizes) = self._decode_entries(payload, params, ctx, scratch,
                                                    lambda shift, mask: kernels.chunk_class_starts(base, shift, mask))
         entries.check_classes(sizes, ctx)
         out = scratch.take(base.size, base.dtype)  # may be `base` itself: a chain decodes in place
@@ -351,7 +351,7 @@ class CtxRans(Codec):
         by side: the values decode here too, and the walk over the base is one range, which needs
         no class count pass before it (that pass only splits a walk across threads). A rank past
         its class is never met by the walk, so the count of applied entries catches it."""
-        entries, _ = _decode_entries(payload, params, ctx, scratch, inline=True)
+        entries, _ = self._decode_entries(payload, params, ctx, scratch, inline=True)
         out = scratch.take(base.size, base.dtype)  # may be `base` itself: a chain decodes in place
         one_range = np.zeros((1, entries.mask + 1), np.int64)
         if kernels.apply_ranked(base, entries.shift, entries.mask, one_range, entries.offsets, entries.ranks,
@@ -362,14 +362,14 @@ class CtxRans(Codec):
     def decode_changes(self, payload, params, ctx: SectionContext):
         """The entries (ranks and deltas, class-major), decoded on the calling thread into
         buffers of their own."""
-        return _decode_entries(payload, params, ctx, _OwnBuffers(), inline=True)[0]
+        return self._decode_entries(payload, params, ctx, _OwnBuffers(), inline=True)[0]
 
     def locate(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch,
                decoded=None):
         """Positions (entry order, where `base` lives) and zigzag deltas of the changed elements:
         the class sizes and the rank-to-position map run on `base`'s device, the entropy decode
         here (or ahead of time: `decoded`, from decode_changes)."""
-        entries = decoded if decoded is not None else _decode_entries(payload, params, ctx, scratch)[0]
+        entries = decoded if decoded is not None else self._decode_entries(payload, params, ctx, scratch)[0]
         where, found, sizes = kernels.locate_ranked(base, entries.shift, entries.mask, entries.offsets,
                                                     entries.ranks)
         entries.check_classes(sizes, ctx)
@@ -393,7 +393,7 @@ class CtxRans(Codec):
     def decode_stream(self, parts, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
         """decode_windows with the base's windows taken from an iterator (in a chain, the previous
         link's windows); they must add up to the tensor's ctx.numel elements."""
-        entries, _ = _decode_entries(payload, params, ctx, scratch)
+        entries, _ = self._decode_entries(payload, params, ctx, scratch)
         seen = np.zeros(entries.mask + 1, np.int64)  # class sizes of the windows so far
         offsets, ranks, deltas = kernels.resident(entries.offsets, entries.ranks, entries.deltas)  # once per tensor
         applied = done = 0
@@ -417,12 +417,27 @@ class CtxRans(Codec):
 
     def value_deltas(self, payload, params, ctx: SectionContext) -> np.ndarray:
         """Signed bit-pattern differences of the changed elements (no base needed)."""
-        count, _, _, n_escapes, parts = _split(payload, params, ctx)
-        zigzag = _decode_values(parts[2], parts[3], parts[4], count, n_escapes, ctx).astype(np.uint64)
+        zigzag = self._zigzag_values(payload, params, ctx).astype(np.uint64)
         return ((zigzag >> np.uint64(1)) ^ (np.uint64(0) - (zigzag & np.uint64(1)))).view(np.int64)
 
     def changed_count(self, params):
         return uint_param(params, "count")
+
+    # The entropy layer, which ctx-ac replaces: everything above works on the entries it yields.
+
+    @staticmethod
+    def _encode_ranked(classes, ranks, zigzag, shift, bits) -> Encoded:
+        return _encode_ranked(classes, ranks, zigzag, shift, bits)
+
+    @staticmethod
+    def _decode_entries(payload, params, ctx, scratch, during=None, inline=False):
+        return _decode_entries(payload, params, ctx, scratch, during, inline)
+
+    @staticmethod
+    def _zigzag_values(payload, params, ctx) -> np.ndarray:
+        """The zigzag deltas, class-major, with no base."""
+        count, _, _, n_escapes, parts = _split(payload, params, ctx)
+        return _decode_values(parts[2], parts[3], parts[4], count, n_escapes, ctx)
 
     def index_bytes(self, params):
         table, positions = uint_param(params, "table_bytes"), uint_param(params, "position_bytes")
@@ -432,10 +447,10 @@ class CtxRans(Codec):
 def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, shift: int, bits: int) -> Encoded:
     """The section for changed elements given (in position order) by class, rank in class and zigzag delta."""
     count = classes.size
-    counts, values, symbols, symbol_counts, escapes = _class_major(classes, ranks, zigzag, 1 << bits, entropy.ESCAPE)
+    counts, values, symbols, symbol_counts, escapes = class_major(classes, ranks, zigzag, 1 << bits, entropy.ESCAPE)
     listed = np.flatnonzero(counts)
     counts = counts[listed]
-    ks, rice_bits = _rice_parameters(values, counts)  # values: ranks in, Rice values (gap - 1) out
+    ks, rice_bits = rice_parameters(values, counts)  # values: ranks in, Rice values (gap - 1) out
     table = bytearray()
     _put_varint(table, int(listed.size))
     for cls, n, k in zip(listed.tolist(), counts.tolist(), ks.tolist()):
@@ -477,7 +492,7 @@ class _OwnBuffers(Scratch):
 
 
 @dataclass
-class _Entries:
+class Entries:
     """A section's changed elements, class-major: rank in class and zigzag delta of each."""
 
     count: int
@@ -521,7 +536,7 @@ def _decode_entries(payload: bytes, params: dict, ctx: SectionContext, scratch: 
     # core (the entropy decoders are sequential and release the GIL).
     symbols = scratch.take(count, np.uint8, "symbols")
     decode_values = (freq_bytes, rans_bytes, esc_bytes, count, n_escapes, ctx, symbols)
-    values = None if inline else _values_executor().submit(_decode_values, *decode_values)
+    values = None if inline else values_executor().submit(_decode_values, *decode_values)
     try:
         # positions: ranks within classes, bounded by the tensor here and by
         # each class's size once the base's classes are counted
@@ -542,17 +557,23 @@ def _decode_entries(payload: bytes, params: dict, ctx: SectionContext, scratch: 
     per_class = np.zeros(mask + 1, np.int64)
     per_class[classes] = counts
     np.cumsum(per_class, out=offsets[1:])
-    return _Entries(count, shift, mask, classes, counts, ranks, deltas, offsets), extra
+    return Entries(count, shift, mask, classes, counts, ranks, deltas, offsets), extra
 
 
-def _split(payload: bytes, params: dict, ctx: SectionContext):
-    """Checked params and the section's five parts."""
+def class_params(params: dict, ctx: SectionContext) -> tuple[int, int, int]:
+    """The checked count, class shift and class bits (FORMAT.md 6.3, shared by 6.4)."""
     count = parse_uint(params, "count", ctx, ctx.numel)
     shift = parse_uint(params, "class_shift", ctx, 63)
     bits = parse_uint(params, "class_bits", ctx, MAX_CLASS_BITS)
     if shift + bits > 8 * ctx.itemsize:  # FORMAT.md 6.3: the class field lies inside the element
         raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: class field (shift {shift}, {bits} bits) "
                                             f"does not fit {8 * ctx.itemsize}-bit elements")
+    return count, shift, bits
+
+
+def _split(payload: bytes, params: dict, ctx: SectionContext):
+    """Checked params and the section's five parts."""
+    count, shift, bits = class_params(params, ctx)
     n_escapes = parse_uint(params, "escapes", ctx, count)
     lengths = [parse_uint(params, key, ctx, len(payload)) for key in
                ("table_bytes", "position_bytes", "frequency_bytes", "value_bytes")]

@@ -35,7 +35,7 @@ OK, TRUNCATED, TOO_LONG, BAD_STATE, OUT_OF_RANGE = 0, 1, 2, 3, 4
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put_bits(out, pos, acc, nacc, value, nbits):
+def put_bits(out, pos, acc, nacc, value, nbits):
     """Append the low `nbits` (<= 32) of value, LSB first; returns the writer's new state."""
     acc |= (np.uint64(value) & ((np.uint64(1) << np.uint64(nbits)) - np.uint64(1))) << np.uint64(nacc)
     nacc += nbits
@@ -87,14 +87,14 @@ def rice_encode(values, ks, counts, out):
             pos = 4 * w
             while q > 0:  # unary part: q one-bits, at most 32 at a time
                 take = min(q, np.uint64(32))
-                pos, acc, nacc = _put_bits(out, pos, acc, nacc, (one << take) - one, int(take))
+                pos, acc, nacc = put_bits(out, pos, acc, nacc, (one << take) - one, int(take))
                 q -= take
-            pos, acc, nacc = _put_bits(out, pos, acc, nacc, 0, 1)  # the terminating zero bit
+            pos, acc, nacc = put_bits(out, pos, acc, nacc, 0, 1)  # the terminating zero bit
             low = v
             remaining = k
             while remaining > 0:  # the k low bits, at most 32 at a time
                 take = min(remaining, 32)
-                pos, acc, nacc = _put_bits(out, pos, acc, nacc, low, take)
+                pos, acc, nacc = put_bits(out, pos, acc, nacc, low, take)
                 low >>= np.uint64(take)
                 remaining -= take
             while pos % 4:  # back to a word boundary: the last whole bytes return to the accumulator
@@ -112,7 +112,7 @@ def rice_encode(values, ks, counts, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _refill(data, pos, buf, nbuf):
+def refill(data, pos, buf, nbuf):
     """Load bytes from data[pos:] above the window's nbuf bits until it holds 57 or more, or data ends."""
     while nbuf <= 56 and pos < data.size:
         buf |= np.uint64(data[np.uint64(pos)]) << np.uint64(nbuf)
@@ -142,7 +142,7 @@ def rice_decode(data, ks, counts, out, sizes=None):
         rank = np.int64(-1)
         for _ in range(counts[g]):
             if nbuf < 32:  # top the window up only when it runs low: most codes are a few bits
-                pos, buf, nbuf = _refill(data, pos, buf, nbuf)
+                pos, buf, nbuf = refill(data, pos, buf, nbuf)
             q = 0
             while True:  # unary part: count the one-bits before the first zero, a window at a time
                 if nbuf == 0:
@@ -155,7 +155,7 @@ def rice_decode(data, ks, counts, out, sizes=None):
                     nbuf = 0
                     if q > MAX_UNARY:
                         return TOO_LONG, 0
-                    pos, buf, nbuf = _refill(data, pos, buf, nbuf)
+                    pos, buf, nbuf = refill(data, pos, buf, nbuf)
                     continue
                 ones = int(trailing_zeros(zeros))
                 q += ones
@@ -176,7 +176,7 @@ def rice_decode(data, ks, counts, out, sizes=None):
                     if nbuf == 0:
                         if pos >= n:
                             return TRUNCATED, 0
-                        pos, buf, nbuf = _refill(data, pos, buf, nbuf)
+                        pos, buf, nbuf = refill(data, pos, buf, nbuf)
                     take = min(k - got, nbuf)
                     low |= (buf & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(got)
                     buf = buf >> np.uint64(take) if take < 64 else np.uint64(0)
