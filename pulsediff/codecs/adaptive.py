@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pulsediff.codecs.entropy import OK, OUT_OF_RANGE, TRUNCATED, put_bits, refill
+from pulsediff.codecs.entropy import OK, OUT_OF_RANGE, TRUNCATED, refill
 
 PROB_BITS = 12
 TOP = 1 << 24
@@ -228,21 +228,34 @@ def _enc_gap_high(st, out, state, q, raw, rs):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put_raw(raw, rs, value, nbits):
-    """Append the low nbits (<= 64) of value to the plain bitstream. rs: (pos, acc, nacc)."""
-    pos, acc, nacc = rs
-    if nbits > 32:
-        if pos + 16 <= raw.size:
-            pos, acc, nacc = put_bits(raw, pos, acc, nacc, np.uint64(value) & np.uint64(0xFFFFFFFF), 32)
-            pos, acc, nacc = put_bits(raw, pos, acc, nacc, np.uint64(value) >> np.uint64(32), nbits - 32)
-        else:
-            pos = raw.size + 1  # out of room: the caller retries with more
-    elif nbits > 0:
-        if pos + 8 <= raw.size:
-            pos, acc, nacc = put_bits(raw, pos, acc, nacc, value, nbits)
-        else:
-            pos = raw.size + 1
+def _put_word_bits(raw, pos, acc, nacc, value, nbits):
+    """Append nbits (<= 32) of value; a whole 32-bit word goes out at once, not byte by byte."""
+    acc |= (np.uint64(value) & ((_U1 << np.uint64(nbits)) - _U1)) << np.uint64(nacc)
+    nacc += nbits
+    if nacc >= 32:
+        raw[pos] = np.uint8(acc & np.uint64(0xFF))
+        raw[pos + 1] = np.uint8((acc >> np.uint64(8)) & np.uint64(0xFF))
+        raw[pos + 2] = np.uint8((acc >> np.uint64(16)) & np.uint64(0xFF))
+        raw[pos + 3] = np.uint8((acc >> np.uint64(24)) & np.uint64(0xFF))
+        pos += 4
+        acc >>= np.uint64(32)
+        nacc -= 32
     return pos, acc, nacc
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_raw(raw, rs, value, nbits):
+    """Append the low nbits (<= 64) of value to the plain bitstream, least significant first.
+    rs: (pos, acc, nacc); pos over raw.size means it ran out of room (the caller retries)."""
+    pos, acc, nacc = rs
+    if nbits == 0:
+        return rs
+    if pos + 16 > raw.size:
+        return raw.size + 1, acc, nacc
+    if nbits > 32:
+        pos, acc, nacc = _put_word_bits(raw, pos, acc, nacc, np.uint64(value) & np.uint64(0xFFFFFFFF), 32)
+        return _put_word_bits(raw, pos, acc, nacc, np.uint64(value) >> np.uint64(32), nbits - 32)
+    return _put_word_bits(raw, pos, acc, nacc, value, nbits)
 
 
 @njit(cache=True, nogil=True)
