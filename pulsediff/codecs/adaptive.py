@@ -107,6 +107,20 @@ def _new_class(state):
         state[j] = _shrunk(state[j])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _hot_gap_contexts(state):
+    """The position stream's hot contexts, taken into locals (see the module's docstring): q's
+    tree (contexts 0-2) and the three top-bit contexts. The rest stay in `state`."""
+    return state[0], state[1], state[2], state[TOP_FIRST], state[TOP_FIRST + 1], state[TOP_FIRST + 2]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _new_gap_class(state, q0, q1, q2, t0, t1, t2):
+    """A new class for the position stream: the contexts in `state` and the hot ones in locals."""
+    _new_class(state)
+    return _shrunk(q0), _shrunk(q1), _shrunk(q2), _shrunk(t0), _shrunk(t1), _shrunk(t2)
+
+
 # -- encoder ----------------------------------------------------------------------
 # st = (bytes written, low, range, cached byte, pending bytes): LZMA's encoder state.
 
@@ -302,15 +316,11 @@ def encode_positions(classes, counts, ks, gaps, out, raw):
         change = ks[m] - previous_k
         st = _enc_golomb(st, out, state, TABLE_FIRST + 3 * EXP_BINS, 2 * change if change >= 0 else -2 * change - 1)
         previous_class, previous_k = classes[m], ks[m]
-    # the hot contexts in locals, as in decode_positions
-    q0, q1, q2 = state[0], state[1], state[2]
-    t0, t1, t2 = state[TOP_FIRST], state[TOP_FIRST + 1], state[TOP_FIRST + 2]
+    q0, q1, q2, t0, t1, t2 = _hot_gap_contexts(state)
     i = 0
     for g in range(counts.size):
         if g:
-            _new_class(state)
-            q0, q1, q2 = _shrunk(q0), _shrunk(q1), _shrunk(q2)
-            t0, t1, t2 = _shrunk(t0), _shrunk(t1), _shrunk(t2)
+            q0, q1, q2, t0, t1, t2 = _new_gap_class(state, q0, q1, q2, t0, t1, t2)
         k = ks[g]
         kk = np.uint64(k)
         for _ in range(counts[g]):
@@ -536,16 +546,11 @@ def decode_positions(data, raw, class_limit, count, classes, counts, ks, out, bo
         return status, 0
     rpos, buf, nbuf = 0, _U0, 0
     limit = np.uint64(bound)
-    # The hot contexts, held in locals (see the module's docstring): q's tree (contexts 0-2)
-    # and the three top-bit contexts. The rest stay in `state`.
-    q0, q1, q2 = state[0], state[1], state[2]
-    t0, t1, t2 = state[TOP_FIRST], state[TOP_FIRST + 1], state[TOP_FIRST + 2]
+    q0, q1, q2, t0, t1, t2 = _hot_gap_contexts(state)
     i = 0
     for g in range(listed):
         if g:
-            _new_class(state)
-            q0, q1, q2 = _shrunk(q0), _shrunk(q1), _shrunk(q2)
-            t0, t1, t2 = _shrunk(t0), _shrunk(t1), _shrunk(t2)
+            q0, q1, q2, t0, t1, t2 = _new_gap_class(state, q0, q1, q2, t0, t1, t2)
         k = ks[g]
         kk = np.uint64(k)
         rank = _U0  # the previous entry's rank + 1
