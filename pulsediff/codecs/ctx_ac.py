@@ -101,17 +101,25 @@ def _table_room(bits: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return np.empty(room, np.int64), np.empty(room, np.int64), np.empty(room, np.int64)
 
 
-def _decode_values(positions, signs, values, bits: int, count: int, ctx: SectionContext, scratch=None) -> np.ndarray:
-    """The zigzag deltas, class-major (the class counts read from the position part's table)."""
-    classes, counts, ks = _table_room(bits, count)
-    status, listed = adaptive.decode_table(positions, 1 << bits, count, classes, counts, ks)
-    if status != entropy.OK:
-        raise _damaged(ctx, "position", status)
+def _decode_values(counts, signs, values, count: int, ctx: SectionContext, scratch=None) -> np.ndarray:
+    """The zigzag deltas, class-major, given the class counts of the position part's table."""
     wide = np.empty(count, np.uint64) if scratch is None else scratch.take(count, np.uint64, "wide")
-    status, largest = adaptive.decode_values(signs, values, counts[:listed], 8 * ctx.itemsize, wide)
+    status, largest = adaptive.decode_values(signs, values, counts, 8 * ctx.itemsize, wide)
     if status != entropy.OK:
         raise _damaged(ctx, "value", status)
     return _narrowed(wide, largest, scratch)
+
+
+def _decode_both(positions, signs, values, bits: int, count: int, ctx: SectionContext, scratch):
+    """(classes, counts, ranks, deltas) of a section's entries, class-major."""
+    ranks = scratch.take(count, np.int64, "ranks")
+    classes, counts, ks = _table_room(bits, count)
+    status, listed = adaptive.decode_positions(positions, positions[::-1], 1 << bits, count, classes, counts, ks,
+                                               ranks, ctx.numel)
+    if status != entropy.OK:
+        raise _damaged(ctx, "position", status)
+    deltas = _decode_values(counts[:listed], signs, values, count, ctx, scratch)
+    return classes[:listed], counts[:listed], ranks, deltas
 
 
 def _narrowed(wide: np.ndarray, largest: int, scratch=None) -> np.ndarray:
@@ -141,31 +149,31 @@ class CtxAc(CtxRans):
 
     @staticmethod
     def _decode_entries(payload, params, ctx, scratch, during=None, inline=False):
-        """The entries, as ctx-rans's: the values decode on a second thread while the ranks, then
-        `during(shift, mask)`, run here (`inline`: all here)."""
+        """The entries, as ctx-rans's. Both streams decode on a second thread while
+        `during(shift, mask)` (the count of the base's classes, which needs no entry) runs here:
+        ctx-ac's entropy decode is twice ctx-rans's, and this hides it behind that pass where
+        there is one (`inline`: all on this thread)."""
         count, shift, bits, positions, signs, values = _split(payload, params, ctx)
         args = (positions, signs, values, bits, count, ctx, scratch)
-        pending = None if inline else values_executor().submit(_decode_values, *args)
+        if inline:
+            found = _decode_both(*args)
+            return _entries(count, shift, bits, *found), (during(shift, (1 << bits) - 1) if during else None)
+        pending = values_executor().submit(_decode_both, *args)
         try:
-            ranks = scratch.take(count, np.int64, "ranks")
-            classes, counts, ks = _table_room(bits, count)
-            status, listed = adaptive.decode_positions(positions, positions[::-1], 1 << bits, count, classes, counts,
-                                                       ks, ranks, ctx.numel)
-            if status != entropy.OK:
-                raise _damaged(ctx, "position", status)
-            classes, counts = classes[:listed], counts[:listed]
             extra = during(shift, (1 << bits) - 1) if during is not None else None
         except BaseException:
-            if pending is not None:
-                wait([pending])  # it writes into scratch: let it finish before anything else does
+            wait([pending])  # it writes into scratch: let it finish before anything else does
             raise
-        deltas = _decode_values(*args) if pending is None else pending.result()
-        return _entries(count, shift, bits, classes, counts, ranks, deltas), extra
+        return _entries(count, shift, bits, *pending.result()), extra
 
     @staticmethod
     def _zigzag_values(payload, params, ctx) -> np.ndarray:
         count, _, bits, positions, signs, values = _split(payload, params, ctx)
-        return _decode_values(positions, signs, values, bits, count, ctx)
+        classes, counts, ks = _table_room(bits, count)
+        status, listed = adaptive.decode_table(positions, 1 << bits, count, classes, counts, ks)
+        if status != entropy.OK:
+            raise _damaged(ctx, "position", status)
+        return _decode_values(counts[:listed], signs, values, count, ctx)
 
     def index_bytes(self, params):
         return uint_param(params, "position_bytes")
