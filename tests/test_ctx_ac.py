@@ -160,13 +160,10 @@ def zigzag(a: int) -> int:
 
 
 def rice_k(gaps: list[int]) -> int:
-    """ctx-rans's parameter, which pulsediff's writer uses (its choice, not the format's)."""
-    from pulsediff.codecs.ctx_rans import _MAX_Q_BITS
-
+    """ctx-rans's Rice parameter without its bound on q: pulsediff's writer's choice, not the format's."""
     cost = lambda k: sum(g >> k for g in gaps) + len(gaps) * (k + 1)  # noqa: E731
     guess = max(0, int(np.log2(float(sum(gaps)) / len(gaps) + 1.0)))
-    k = min((k for k in (guess - 1, guess, guess + 1) if 0 <= k <= 62), key=lambda k: (cost(k), k))
-    return max(k, max(gaps).bit_length() - _MAX_Q_BITS)
+    return min((k for k in (guess - 1, guess, guess + 1) if 0 <= k <= 62), key=lambda k: (cost(k), k))
 
 
 def section_ref(base: np.ndarray, target: np.ndarray, dtype) -> tuple[bytes, dict]:
@@ -513,3 +510,37 @@ def test_ctx_ac_split_parameter_wider_than_the_tensor(n, changed):
     payload, params = section_ref(base, target, DTYPES["BOOL"])
     assert decode_ref(base, payload, params).tobytes() == target.tobytes()
     assert codec_decode(codec, base, payload, params) == target.tobytes()
+
+
+def test_ctx_ac_one_far_change_does_not_widen_its_class_past_ctx_rans():
+    """ctx-rans raises a class's k so that q stays under 2**20 (its decoder's bound); ctx-ac's escape
+    takes any q, so it does not (a review found a section 15x larger than without the far change,
+    from that bound). The Rice parameter itself still grows with the mean gap, so one far change
+    still costs the class some low bits: no more than under ctx-rans."""
+    n = 1 << 22
+    base = np.full(n, 0x3C00, np.uint16)  # one class
+    target = base.copy()
+    target[1000:4000] += np.uint16(1)
+    target[n - 1] += np.uint16(1)
+    sizes = {c: get_codec(c).encode_pair(base, target, dtype=DTYPES["BF16"], kernels=cpu)[1] for c in ("ctx-rans", "ctx-ac")}
+    assert sizes["ctx-ac"].length < sizes["ctx-rans"].length, {c: e.length for c, e in sizes.items()}
+    enc = sizes["ctx-ac"]
+    ctx = SectionContext("t", n, 2, "test")
+    assert get_codec("ctx-ac").decode(base, b"".join(enc.parts), enc.params, ctx, cpu, Scratch()).tobytes() == target.tobytes()
+
+
+def test_ctx_ac_plain_bitstream_running_dry_inside_an_escape_is_refused():
+    """The q escape's low bits cut off, with more plain bits wanted after them: refused (the bit
+    reader, once dry, stays dry instead of shifting by a negative count)."""
+    base = np.zeros(1 << 20, np.uint16)
+    target = base.copy()
+    target[list(range(0, 200, 2)) + [900_000, 900_010]] = 1  # a huge gap in a class whose k is small: an escape
+    payload, params = section_ref(base, target, DTYPES["BF16"])
+    gaps = np.diff(np.flatnonzero(target != base), prepend=-1) - 1
+    assert gaps.max() >> rice_k(gaps.tolist()) >= 8  # the far gap's q takes the escape
+    codec = get_codec("ctx-ac")
+    cut = params["position_bytes"]
+    for drop in range(1, 4):
+        body = payload[:cut - drop] + payload[cut:]  # the plain bitstream ends the position part
+        bad = dict(params, position_bytes=cut - drop)
+        assert codec_decode(codec, base, body, bad) is None

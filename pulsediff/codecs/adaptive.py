@@ -450,6 +450,8 @@ def _dec_direct(data, pos, rng, code, nbits):
 @njit(cache=True, nogil=True, inline="always")
 def _get_raw(raw, rpos, buf, nbuf, nbits):
     """nbits (<= 64) from the plain bitstream; nbuf < 0 after the call means it ran out."""
+    if nbuf < 0:  # it ran out before: stay out, shifting nothing by a negative count
+        return _U0, rpos, buf, nbuf
     if nbuf < 32:  # top the window up while it runs low: most reads then take one mask
         rpos, buf, nbuf = refill(raw, rpos, buf, nbuf)
     if nbits <= nbuf and nbits < 64:

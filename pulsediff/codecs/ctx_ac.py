@@ -63,7 +63,9 @@ def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, s
     counts, gaps, symbols, _, escapes = class_major(classes, ranks, zigzag, 1 << bits, entropy.ESCAPE)
     listed = np.flatnonzero(counts)
     counts = counts[listed]
-    ks, _ = rice_parameters(gaps, counts)  # gaps: ranks in, gap - 1 out; ctx-rans's k fits here too
+    # gaps: ranks in, gap - 1 out. ctx-rans's k, without its bound on q (ctx-ac's escape takes any q):
+    # the bound would make one far change raise k for its whole class.
+    ks, _ = rice_parameters(gaps, counts, 64)
     positions = _position_part(listed, counts, ks, gaps)
     values = symbols.astype(np.uint64)  # the full zigzag deltas, class-major
     if escapes.size:

@@ -229,11 +229,11 @@ def class_major(classes, ranks, zigzag, ncls, escape):
 
 
 @njit(cache=True, nogil=True)
-def rice_parameters(values, counts):
+def rice_parameters(values, counts, max_q_bits):
     """Per group of `values` (class-major ranks, turned here in place into the Rice values,
     rank gap - 1): the Rice parameter with the fewest bits among log2 of the mean and its
-    neighbours (ties: the smaller k), then raised so that no unary run exceeds _MAX_Q_BITS
-    bits (the decoder refuses longer ones). Returns (ks, total bits).
+    neighbours (ties: the smaller k), then raised so that no unary run exceeds max_q_bits
+    bits (ctx-rans's decoder refuses longer ones; 64: no bound). Returns (ks, total bits).
 
     Three short loops over each group, each of which LLVM vectorises: ranks to gaps
     (backwards, in place), their sum and maximum, then the costs of the (up to) three
@@ -274,8 +274,8 @@ def rice_parameters(values, counts):
             length = 0
             while largest >> np.uint64(length):
                 length += 1
-            if length - _MAX_Q_BITS > best_k:
-                best_k = length - _MAX_Q_BITS
+            if length - max_q_bits > best_k:
+                best_k = length - max_q_bits
                 kk = np.uint64(best_k)
                 shifted = np.uint64(0)
                 for i in range(sub.size):
@@ -450,7 +450,7 @@ def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, s
     counts, values, symbols, symbol_counts, escapes = class_major(classes, ranks, zigzag, 1 << bits, entropy.ESCAPE)
     listed = np.flatnonzero(counts)
     counts = counts[listed]
-    ks, rice_bits = rice_parameters(values, counts)  # values: ranks in, Rice values (gap - 1) out
+    ks, rice_bits = rice_parameters(values, counts, _MAX_Q_BITS)  # values: ranks in, Rice values (gap - 1) out
     table = bytearray()
     _put_varint(table, int(listed.size))
     for cls, n, k in zip(listed.tolist(), counts.tolist(), ks.tolist()):
