@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pulsediff.codecs.entropy import OK, OUT_OF_RANGE, TRUNCATED, refill
+from pulsediff.codecs.entropy import OK, OUT_OF_RANGE, TRUNCATED, flush_bytes, refill
 
 PROB_BITS = 12
 TOP = 1 << 24
@@ -119,6 +119,19 @@ def _new_gap_class(state, q0, q1, q2, t0, t1, t2):
     """A new class for the position stream: the contexts in `state` and the hot ones in locals."""
     _new_class(state)
     return _shrunk(q0), _shrunk(q1), _shrunk(q2), _shrunk(t0), _shrunk(t1), _shrunk(t2)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _hot_value_contexts(state):
+    """The value stream's hot contexts, taken into locals: its four unary bins (contexts 0-3)."""
+    return state[0], state[1], state[2], state[3]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _new_value_class(state, m0, m1, m2, m3):
+    """A new class for the value stream: the contexts in `state` and the hot ones in locals."""
+    _new_class(state)
+    return _shrunk(m0), _shrunk(m1), _shrunk(m2), _shrunk(m3)
 
 
 # -- encoder ----------------------------------------------------------------------
@@ -277,12 +290,7 @@ def _raw_finish(raw, rs):
     pos, acc, nacc = rs
     if pos > raw.size - 8:
         return raw.size + 1
-    while nacc > 0:
-        raw[pos] = np.uint8(acc & np.uint64(0xFF))
-        pos += 1
-        acc >>= np.uint64(8)
-        nacc -= 8
-    return pos
+    return flush_bytes(raw, pos, acc, nacc)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -357,15 +365,14 @@ def encode_values(magnitudes, counts, out):
     escape whose low bits are direct. Returns the bytes written, before the cut of trailing
     zeros (over out.size: retry with more room)."""
     state = np.zeros(VALUE_CONTEXTS, np.uint64)
-    m0, m1, m2, m3 = state[0], state[1], state[2], state[3]  # the hot contexts in locals
+    m0, m1, m2, m3 = _hot_value_contexts(state)
     st = _enc_start()
     rs = (0, _U0, 0)
     nowhere = np.empty(0, np.uint8)
     i = 0
     for g in range(counts.size):
         if g:
-            _new_class(state)
-            m0, m1, m2, m3 = _shrunk(m0), _shrunk(m1), _shrunk(m2), _shrunk(m3)
+            m0, m1, m2, m3 = _new_value_class(state, m0, m1, m2, m3)
         for _ in range(counts[g]):
             v = np.uint64(magnitudes[i]) - _U1
             i += 1
@@ -613,15 +620,14 @@ def decode_values(signs, data, counts, width, out):
     (status, largest zigzag)."""
     size = data.size
     state = np.zeros(VALUE_CONTEXTS, np.uint64)
-    m0, m1, m2, m3 = state[0], state[1], state[2], state[3]
+    m0, m1, m2, m3 = _hot_value_contexts(state)
     pos, rng, code = _dec_start(data)
     half = _U1 << np.uint64(width - 1)
     largest = _U0
     i = 0
     for g in range(counts.size):
         if g:
-            _new_class(state)
-            m0, m1, m2, m3 = _shrunk(m0), _shrunk(m1), _shrunk(m2), _shrunk(m3)
+            m0, m1, m2, m3 = _new_value_class(state, m0, m1, m2, m3)
         for _ in range(counts[g]):
             one, pos, rng, code, m0 = _bit(data, pos, rng, code, m0)
             m = _U0

@@ -102,7 +102,13 @@ def rice_encode(values, ks, counts, out):
                 acc = (acc << np.uint64(8)) | np.uint64(out[pos])
                 nacc += 8
             w = pos // 4
-    pos = 4 * w
+    return flush_bytes(out, 4 * w, acc, nacc)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def flush_bytes(out, pos, acc, nacc):
+    """Write an LSB-first bit writer's last nacc bits from its accumulator as whole bytes (the last
+    one padded with zeros) at out[pos:]; returns the position after them."""
     while nacc > 0:
         out[pos] = np.uint8(acc & np.uint64(0xFF))
         pos += 1
