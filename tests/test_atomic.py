@@ -233,7 +233,7 @@ def test_a_failure_between_windows_lets_the_write_in_flight_finish_before_the_fi
     make_patch(tmp_path / "b.safetensors", tmp_path / "t.safetensors", tmp_path / "p", device="cpu")
     monkeypatch.setattr(pulsediff.ops.rebuild, "WINDOW_ELEMENTS", 1 << 12)
 
-    real_windows = CtxRans.decode_windows
+    real_windows = CtxRans.decode_stream
 
     def failing_windows(self, *args, **kwargs):
         parts = real_windows(self, *args, **kwargs)
@@ -253,7 +253,7 @@ def test_a_failure_between_windows_lets_the_write_in_flight_finish_before_the_fi
             seen.append("closed")
         real_write(f, data, hasher, then)
 
-    monkeypatch.setattr(CtxRans, "decode_windows", failing_windows)
+    monkeypatch.setattr(CtxRans, "decode_stream", failing_windows)
     monkeypatch.setattr(apply_mod._PipelinedWriter, "_write", staticmethod(slow_write))
     with pytest.raises(CorruptPatchError, match="after the first window"):
         apply_patch(tmp_path / "b.safetensors", tmp_path / "p", tmp_path / "out.safetensors", device="cpu")

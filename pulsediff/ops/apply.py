@@ -3,7 +3,9 @@
 Order of checks, so that nothing is written unless everything holds:
   1. the patch preamble and header (magic, version, checksums, bounds);
   2. the base digest (every base tensor hashed) against the patch's base, or
-     its target (then the base is already up to date);
+     its target (then the base is already up to date); when the patches are
+     files, taken during step 3 instead, each base tensor's hash checked as
+     it is read (apply_chain);
   3. while rebuilding into temporary files: each section's checksum before it
      is decoded, each rebuilt tensor's hash against the header;
   4. the rebuilt checkpoint's digest; only then are the files renamed into place.
@@ -32,7 +34,8 @@ from pulsediff.io.folder_files import file_hash, read_folder_file
 from pulsediff.kernels import get_backend
 from pulsediff.ops.inspect import tensor_ids
 from pulsediff.ops import rebuild  # rebuild.WINDOW_ELEMENTS read at each use: one setting for both modules
-from pulsediff.ops.rebuild import Rebuild, Windows, chain_rebuild, chain_windows, rebuild_windows
+from pulsediff.ops.rebuild import (BaseCheck, BaseDiffers, Rebuild, Windows, chain_rebuild, chain_windows,
+                                   rebuild_windows)
 from pulsediff.runtime.progress import SILENT, Progress
 
 
@@ -92,6 +95,12 @@ def apply_chain(
     the chain's last patch must rebuild exactly that (the rebuilt tensors are
     checked against that patch's target digest), else UntrustedManifestError
     naming `expect_where`, before anything is written.
+
+    The base is read once: when the patches are files and OUT does not exist
+    yet, the base's digest is taken during the rebuild, assuming the base is
+    the first patch's (BaseCheck), and checked before anything is committed.
+    If it is not, or anything fails, the base is hashed first after all and
+    the apply runs in that checked order, so every error reads as it would.
     """
     if not patches:
         raise UsageError("give at least one patch")
@@ -101,6 +110,27 @@ def apply_chain(
         raise UsageError("in_place needs a base checkpoint")
     if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
         raise UsageError("a chain of several patches must be files (stdin carries one patch)")
+    args = (base, patches, out, in_place, device, progress, dry_run, force, expect_target, expect_where)
+    if (base_ids is None and not dry_run and base is not None and (in_place or not Path(out).exists())
+            and all(isinstance(p, (str, Path)) and str(p) != "-" for p in patches)):
+        try:
+            return _apply(*args, speculate=True)
+        except BaseDiffers:
+            pass  # the base is not the first patch's: hash it first, and find out what it is
+        except PulsediffError as failure:
+            # Hash the base first, as the checked order would have: a wrong base is reported as
+            # that, whatever went wrong with it; the same failure again (with the base the first
+            # patch's) is not run twice.
+            return _apply(*args, retrying=failure)
+    return _apply(*args, base_ids=base_ids)
+
+
+def _apply(base, patches, out, in_place, device, progress, dry_run, force, expect_target, expect_where,
+           base_ids: dict[str, TensorId] | None = None, speculate: bool = False,
+           retrying: PulsediffError | None = None) -> ApplyResult:
+    """apply_chain's work. `speculate`: the base's digest taken during the rebuild (BaseCheck),
+    assuming the first patch's base. `retrying`: what that try failed with, raised again if the
+    base turns out to be the first patch's."""
     out_path = Path(base) if in_place else Path(out) if out is not None else None
     with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]
@@ -131,22 +161,27 @@ def apply_chain(
             elif out is not None:
                 _check_output_kind(rebuilds, out)
                 refuse_existing(out, force)
-            if base_ids is None:
-                base_ids = tensor_ids(view, progress)
-            digest = checkpoint_digest(base_ids.values())
-            base_is_out = base is not None and out_path is not None and out_path.resolve() == Path(base).resolve()
-            base_is_target = digest == final.target_digest
-            if base_is_target:
-                if in_place or base_is_out or out_path is None or _already_target(out_path, final):
-                    return ApplyResult("up-to-date", out_path, final, 0, True, dry_run)
-                links = []  # the base is the target: only the layout may differ
-            else:
-                later = [k for k, link in enumerate(links) if link.header.base_digest == digest]
-                if not later:
-                    raise _base_mismatch(links[0].header, base_ids, digest)
-                links = links[later[-1]:]
-                if out_path is not None and _already_target(out_path, final):
-                    return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
+            base_is_target = False
+            base_check = BaseCheck(first_link.header, view) if speculate else None
+            if not speculate:
+                if base_ids is None:
+                    base_ids = tensor_ids(view, progress)
+                digest = checkpoint_digest(base_ids.values())
+                base_is_out = base is not None and out_path is not None and out_path.resolve() == Path(base).resolve()
+                base_is_target = digest == final.target_digest
+                if base_is_target:
+                    if in_place or base_is_out or out_path is None or _already_target(out_path, final):
+                        return ApplyResult("up-to-date", out_path, final, 0, True, dry_run)
+                    links = []  # the base is the target: only the layout may differ
+                else:
+                    later = [k for k, link in enumerate(links) if link.header.base_digest == digest]
+                    if not later:
+                        raise _base_mismatch(links[0].header, base_ids, digest)
+                    if retrying is not None and later[-1] == 0:
+                        raise retrying
+                    links = links[later[-1]:]
+                    if out_path is not None and _already_target(out_path, final):
+                        return ApplyResult("up-to-date", out_path, final, 0, dry_run=dry_run)
             files = FolderFileSources(links or [final_link], base_ckpt, final, in_place, sequential)
             if dry_run:
                 return ApplyResult("would-apply", out_path, final, len(links), base_is_target, True,
@@ -155,9 +190,11 @@ def apply_chain(
             if in_place:  # removed with the renames, under the same intent record
                 files.stale = _stale_paths(base_ckpt, receiver or _TargetFiles.of_patch(final, None, ""), files.removed)
             if sequential:
-                _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links)
+                _apply_streaming(first_link, view, backend, out_path, progress, files, receiver, copy_all=not links,
+                                 base_check=base_check)
             else:
-                _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver)
+                _apply_random_access(links, final_link, view, backend, out_path, progress, files, receiver,
+                                     base_check=base_check)
             # Committed: every rebuilt tensor matched the target and the base had not changed (the
             # commit's check_intact). A base cut short from now on is read by nothing; no error after it.
             base_ckpt.close(verify=False)
@@ -166,11 +203,13 @@ def apply_chain(
 
 
 def _apply_streaming(link: Link, view: TensorView, backend, out_path: Path, progress: Progress,
-                     files: "FolderFileSources", receiver: "_TargetFiles | None", copy_all: bool = False) -> None:
+                     files: "FolderFileSources", receiver: "_TargetFiles | None", copy_all: bool = False,
+                     base_check: BaseCheck | None = None) -> None:
     """One patch, read front to back (works on stdin): each section is decoded as it arrives.
 
     `copy_all`: the base already is the target, so every tensor comes from it
     (the sections are still read, to check the stream, but not decoded).
+    `base_check`: the base's digest is taken as its tensors are read.
     """
     reader, header = link.reader, link.header
     layout_blob = read_layout(reader, header, sequential=True)
@@ -186,13 +225,16 @@ def _apply_streaming(link: Link, view: TensorView, backend, out_path: Path, prog
         if copy_all:
             return Rebuild(rec.numel, [(rec, None, reader.source)], base_bits(rec), backend)
         if (rec.op == "patch" and rec.numel > rebuild.WINDOW_ELEMENTS
-                and hasattr(get_codec(rec.section.codec), "decode_windows")):
-            return rebuild_windows(rec, payload, base_bits(rec), backend, reader.source, scratch)
-        return Rebuild(rec.numel, [(rec, payload, reader.source)], base_bits(rec) if rec.op != "full" else None,
-                       backend)
+                and hasattr(get_codec(rec.section.codec), "decode_stream")):
+            return rebuild_windows(rec, payload, base_bits(rec), backend, reader.source, scratch, base_check)
+        if rec.op == "full":
+            return Rebuild(rec.numel, [(rec, payload, reader.source)], None, backend)
+        return Rebuild(rec.numel, [(rec, payload, reader.source)], base_bits(rec), backend, base_check)
 
     def before_commit() -> None:
         reader.expect_end(header.sections_length)
+        if base_check is not None:
+            base_check.finish()
 
     target = receiver or _TargetFiles.of_patch(header, layout_blob, reader.source)
     _write_target(header, target, target_bits, files, out_path, progress, before_commit, scratch, backend,
@@ -200,7 +242,8 @@ def _apply_streaming(link: Link, view: TensorView, backend, out_path: Path, prog
 
 
 def _apply_random_access(links: list[Link], final_link: Link, view: TensorView, backend, out_path: Path,
-                         progress: Progress, files: "FolderFileSources", receiver: "_TargetFiles | None") -> None:
+                         progress: Progress, files: "FolderFileSources", receiver: "_TargetFiles | None",
+                         base_check: BaseCheck | None = None) -> None:
     """A chain: each target tensor is carried through every link in turn, in memory.
 
     `links` may be empty (the base already is the target): then only the
@@ -214,7 +257,7 @@ def _apply_random_access(links: list[Link], final_link: Link, view: TensorView, 
     link_scratch = [Scratch() for _ in links]  # each link's windows, kept from tensor to tensor
 
     def target_bits(rec: TensorRecord) -> "Windows | Rebuild":
-        rebuilt = chain_rebuild(rec.name, links, view, backend)
+        rebuilt = chain_rebuild(rec.name, links, view, backend, base_check)
         if not rebuilt.steps:
             # No links: the base is the target, by ids the caller may have hashed at an earlier open
             # (catch-up). Its tensors go out as they are, each checked against the target's record.
@@ -222,7 +265,8 @@ def _apply_random_access(links: list[Link], final_link: Link, view: TensorView, 
         return chain_windows(rebuilt, link_scratch)
 
     target = receiver or _TargetFiles.of_patch(final, layout_blob, final_link.reader.source)
-    _write_target(final, target, target_bits, files, out_path, progress, lambda: None, scratch, backend,
+    _write_target(final, target, target_bits, files, out_path, progress,
+                  base_check.finish if base_check is not None else lambda: None, scratch, backend,
                   inputs=[view.ckpt])
 
 

@@ -12,8 +12,8 @@ import numpy as np
 from pulsediff.codecs import get_codec
 from pulsediff.codecs.base import Scratch, SectionContext
 from pulsediff.errors import ChainError, CorruptPatchError
-from pulsediff.format.digest import tensor_hash
-from pulsediff.format.header import TensorRecord
+from pulsediff.format.digest import TensorId, checkpoint_digest, tensor_hash, tensor_hasher
+from pulsediff.format.header import PatchHeader, TensorRecord
 from pulsediff.format.patch_file import Link
 from pulsediff.io.checkpoint import TensorView
 
@@ -27,6 +27,63 @@ def carry_through(name: str, links: list[Link], view: TensorView, backend, scrat
     return chain_rebuild(name, links, view, backend).run(scratch)
 
 
+class BaseDiffers(Exception):
+    """The base is not the first link's (BaseCheck): not an error to report, a signal to check the
+    base first after all, which tells what it is instead (the target, a later link's base, or
+    neither) and says so in the usual words."""
+
+
+class BaseCheck:
+    """The base's digest taken while the rebuild reads each base tensor, in place of a pass of its
+    own before it: apply then reads the base once. It assumes that the base is the first link's.
+
+    Each base tensor's hash is compared with the first link's record as soon as it is known, and
+    the whole digest (with the tensors the rebuild never read hashed at the end) before anything
+    is committed. Any difference raises BaseDiffers. Thread-safe: whole tensors are checked on
+    the worker threads that rebuild them (each name once).
+    """
+
+    def __init__(self, header: PatchHeader, view: TensorView):
+        self.header, self.view = header, view
+        self._hashes: dict[str, str] = {}
+
+    def _seen(self, rec: TensorRecord, digest: str) -> None:
+        if digest != rec.base_hash:
+            raise BaseDiffers(rec.name)
+        self._hashes[rec.name] = digest
+
+    def whole(self, rec: TensorRecord, bits: np.ndarray) -> str:
+        """Check the base tensor `bits` that `rec` (the first link's record) decodes onto; its hash."""
+        digest = tensor_hash(bits)
+        self._seen(rec, digest)
+        return digest
+
+    def windows(self, rec: TensorRecord, bits: np.ndarray, window: int):
+        """The base tensor as windows of `window` elements, each hashed once the consumer has walked
+        it (it asks for the next one), so from the cache; checked after the last."""
+        hasher = tensor_hasher()
+        for lo in range(0, bits.size, window):
+            part = bits[lo:lo + window]
+            yield part
+            hasher.update(part)
+        self._seen(rec, hasher.hexdigest())
+
+    def finish(self) -> None:
+        """Hash the base tensors the rebuild did not read (carried whole, or removed), then compare
+        the base's digest with the first link's."""
+        from pulsediff.kernels.threads import parallel_map
+
+        view = self.view
+        rest = [name for name in view.ckpt.names if name not in self._hashes]
+        for name, digest in zip(rest, parallel_map(lambda name: tensor_hash(view.get(name).bits),
+                                                   [(name,) for name in rest])):
+            self._hashes[name] = digest
+        ids = [TensorId(name, view.dtype_of(name).name, view.shape_of(name), digest)
+               for name, digest in self._hashes.items()]
+        if len(ids) != len(view.ckpt.names) or checkpoint_digest(ids) != self.header.base_digest:
+            raise BaseDiffers(None)
+
+
 @dataclass
 class Rebuild:
     """A target tensor to rebuild: its sections already read (in the patch's order, so a patch on
@@ -36,17 +93,25 @@ class Rebuild:
     steps: list  # (record, payload or None, source) per link, oldest first: each decodes onto the last
     base_bits: np.ndarray | None  # what the first step decodes onto (None: it carries the tensor whole)
     backend: object
+    base_check: BaseCheck | None = None  # checks base_bits against the first step's record first
 
     def run(self, scratch: Scratch, alone: bool = False) -> np.ndarray:
-        bits = self.base_bits
-        for rec, payload, source in self.steps:
-            bits = rebuild_tensor(rec, payload, bits, self.backend, source, scratch, alone)
+        base, check = self.base_bits, self.base_check if self.base_bits is not None else None
+        bits, known_hash = base, None
+        for k, (rec, payload, source) in enumerate(self.steps):
+            if k == 0 and check is not None and payload is None:
+                known_hash = check.whole(rec, base)  # the target is the base: one hash checks both
+            bits = rebuild_tensor(rec, payload, bits, self.backend, source, scratch, alone, known_hash)
+            if k == 0 and check is not None and payload is not None:
+                check.whole(rec, base)  # after the decode, which read the base into the cache
+            known_hash = None
         return bits
 
 
-def chain_rebuild(name: str, links: list[Link], view: TensorView, backend) -> Rebuild:
+def chain_rebuild(name: str, links: list[Link], view: TensorView, backend,
+                  base_check: BaseCheck | None = None) -> Rebuild:
     """How to carry one tensor through every link, from the last link that carries it whole
-    (or from the base); reads its sections now."""
+    (or from the base, checked by `base_check` when given); reads its sections now."""
     start = len(links) - 1
     while start >= 0:
         rec = links[start].records.get(name)
@@ -66,7 +131,8 @@ def chain_rebuild(name: str, links: list[Link], view: TensorView, backend) -> Re
         rec = link.records[name]
         payload = link.reader.read_section(rec.section, f"tensor {name!r}") if rec.section else None
         steps.append((rec, payload, link.reader.source))
-    return Rebuild(steps[-1][0].numel if steps else bits.size, steps, bits, backend)
+    return Rebuild(steps[-1][0].numel if steps else bits.size, steps, bits, backend,
+                   base_check if bits is not None else None)
 
 
 def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | Rebuild":
@@ -90,7 +156,7 @@ def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | R
         if not (rec.op == "same" and payload is None
                 or rec.op == "patch" and hasattr(get_codec(rec.section.codec), "decode_stream")):
             return rebuild
-    parts = (base[lo:lo + WINDOW_ELEMENTS] for lo in range(0, base.size, WINDOW_ELEMENTS))
+    parts = base_windows(base, steps[0][0], rebuild.base_check)
     for k, (rec, payload, source) in enumerate(steps):
         if rec.op == "patch":
             ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
@@ -100,6 +166,13 @@ def chain_windows(rebuild: Rebuild, link_scratch: list[Scratch]) -> "Windows | R
             parts = hash_checked(parts, rec, source)
     last, _, source = steps[-1]
     return Windows(last, source, parts)  # the writer checks the last link's hash
+
+
+def base_windows(base: np.ndarray, rec: TensorRecord, base_check: BaseCheck | None):
+    """The base tensor that `rec` decodes onto, as windows (checked by `base_check` when given)."""
+    if base_check is not None:
+        return base_check.windows(rec, base, WINDOW_ELEMENTS)
+    return (base[lo:lo + WINDOW_ELEMENTS] for lo in range(0, base.size, WINDOW_ELEMENTS))
 
 
 def hash_checked(parts, rec: TensorRecord, source: str):
@@ -121,12 +194,13 @@ def _check_base_size(rec: TensorRecord, base_bits: np.ndarray, source: str) -> N
 
 
 def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarray | None, backend, source: str,
-                   scratch: Scratch, alone: bool = False) -> np.ndarray:
+                   scratch: Scratch, alone: bool = False, base_hash: str | None = None) -> np.ndarray:
     """One target tensor's bits, checked against its recorded hash.
 
     `payload` None means the target tensor is `base_bits` as they are (op
     "same", or a base that already is the target). `alone`: this runs on one
-    worker thread beside other rebuilds (Codec.decode_alone).
+    worker thread beside other rebuilds (Codec.decode_alone). `base_hash`:
+    base_bits' hash, when the caller has just taken it (not taken twice).
     """
     if payload is None:
         bits = base_bits
@@ -137,7 +211,8 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
         decode = codec.decode_alone if alone else codec.decode
         bits = decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
-    if tensor_hash(bits) != rec.target_hash:
+    digest = base_hash if payload is None and base_hash is not None else tensor_hash(bits)
+    if digest != rec.target_hash:
         raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
     # The hash says nothing of the size when the header lies about it consistently (a "same" tensor given
     # another shape or dtype): the file header would promise bytes that are not written.
@@ -148,14 +223,15 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
 
 
 def rebuild_windows(rec: TensorRecord, payload: bytes, base_bits: np.ndarray, backend, source: str,
-                    scratch: Scratch) -> "Windows":
-    """One patched tensor as consecutive windows (codec.decode_windows); its hash is checked by
-    whoever consumes them (`Windows.hasher`), since it is known only after the last one."""
+                    scratch: Scratch, base_check: BaseCheck | None = None) -> "Windows":
+    """One patched tensor as consecutive windows (codec.decode_stream); its hash is checked by
+    whoever consumes them (`Windows.hasher`), since it is known only after the last one. The
+    base's, with `base_check`, is checked before that."""
     _check_base_size(rec, base_bits, source)
     ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
     codec = get_codec(rec.section.codec)
-    return Windows(rec, source, codec.decode_windows(base_bits, payload, rec.section.params, ctx, backend, scratch,
-                                                     WINDOW_ELEMENTS))
+    return Windows(rec, source, codec.decode_stream(base_windows(base_bits, rec, base_check), payload,
+                                                    rec.section.params, ctx, backend, scratch))
 
 
 @dataclass
