@@ -300,6 +300,12 @@ def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[li
         lambda: K.diff_ranks(d_old, d_new, SHIFT, MASK), 2 * n * w, m * (w + 2 + 8))
     zz, cls, rk, _ = K.diff_ranks(d_old, d_new, SHIFT, MASK)
     ok &= np.array_equal(_host(rk), ranks.copy_to_host())
+    # The parallel digest's leaves (issue 32): XXH3-128 of each chunk, a warp per chunk.
+    from pulsediff.kernels import cpu as C
+
+    ok &= np.array_equal(K.chunk_digests(d_old), C.chunk_digests(old))
+    row(f"chunk_digests (XXH3-128 per {C.DIGEST_CHUNK_BYTES >> 10} KiB)", lambda: K.chunk_digests(d_old),
+        n * w, -(-n * w // C.DIGEST_CHUNK_BYTES) * 16)
     return rows, bool(ok)
 
 

@@ -168,3 +168,16 @@ def add_at_ref(out: np.ndarray, positions: np.ndarray, deltas: np.ndarray) -> tu
         else:
             bad += 1
     return old, bad
+
+
+def chunk_digests_ref(data: np.ndarray, chunk: int) -> np.ndarray:
+    """XXH3-128 (the xxhash library's) of each `chunk` bytes of the array's bytes, one chunk
+    at a time, as rows of (low 64 bits, high 64 bits)."""
+    import xxhash
+
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).tobytes()
+    rows = []
+    for lo in range(0, len(raw), chunk):
+        value = xxhash.xxh3_128_intdigest(raw[lo:lo + chunk])
+        rows.append((value & 0xFFFFFFFFFFFFFFFF, value >> 64))
+    return np.array(rows, np.uint64).reshape(-1, 2)

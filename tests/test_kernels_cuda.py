@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from cuda_sim import SMALL_LAUNCH, fast_simulator, launch_config
 from reference import (add_at_ref, apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, classes_ref,
                        diff_compact_ref, diff_ranks_ref, gaps_to_positions_ref, ranked_positions_ref, scatter_ref,
-                       word_sum_ref)
+                       word_sum_ref, chunk_digests_ref)
 
 try:
     from numba import config as numba_config
@@ -554,6 +554,46 @@ def test_word_sum_large_on_cpu(cpu_k):
     b = a.copy()
     b[12345] ^= 1
     assert cpu_k.word_sum(b) != cpu_k.word_sum(a)
+
+
+@pytest.mark.parametrize("chunk", [256, 1024, 2048])
+def test_chunk_digests(cuda_k, cpu_k, chunk):
+    """XXH3-128 per chunk, a warp per chunk: every shape of XXH3's long path (a chunk of one
+    partial 1 KiB block, whole blocks, blocks and a partial one with 0 to 15 stripes), last
+    chunks short enough for the host's path (<= 240 bytes) and just long enough for the
+    kernel's, more chunks than blocks (4 with SMALL_LAUNCH: grid-stride), element widths of 1
+    to 8 bytes, host arrays, device arrays and device views that start off an 8-byte boundary."""
+    rng = np.random.default_rng(23)
+    sizes = {0, 1, 64, 240, 241, 255, 256, 300, 1023, 1024, 1025, 1088, 1089, 2047, 2048, 2049}
+    sizes |= {chunk - 1, chunk, chunk + 1, chunk + 240, chunk + 241, 5 * chunk + 77, 5 * chunk + 1000}
+    for nbytes in sorted(sizes):
+        raw = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        want = chunk_digests_ref(raw, chunk)
+        assert np.array_equal(cpu_k.chunk_digests(raw, chunk), want), nbytes
+        assert np.array_equal(cuda_k.chunk_digests(raw, chunk), want), nbytes
+        assert np.array_equal(cuda_k.chunk_digests(numba_cuda.to_device(raw), chunk), want), nbytes
+    a = rng.integers(0, 2**16, 3 * chunk // 2 + 5, dtype=np.uint16)
+    d = numba_cuda.to_device(a)
+    for start in (0, 1, 3, 4):
+        want = chunk_digests_ref(a[start:], chunk)
+        assert np.array_equal(cuda_k.chunk_digests(d[start:], chunk), want), start
+        assert np.array_equal(cpu_k.chunk_digests(a[start:], chunk), want), start
+    for dtype in (np.uint32, np.uint64):
+        b = rng.integers(0, np.iinfo(dtype).max, 3 * chunk // 8 + 3, dtype=dtype, endpoint=True)
+        assert np.array_equal(cuda_k.chunk_digests(b, chunk), chunk_digests_ref(b, chunk))
+    flipped = raw.copy()
+    flipped[-1] ^= 1
+    assert not np.array_equal(cuda_k.chunk_digests(flipped, chunk)[-1], cuda_k.chunk_digests(raw, chunk)[-1])
+    with pytest.raises(ValueError):
+        cuda_k.chunk_digests(raw, 100)
+
+
+def test_chunk_digests_at_the_format_chunk_on_cpu(cpu_k):
+    """The format's chunks across the worker threads, with a short last chunk and a long one."""
+    rng = np.random.default_rng(24)
+    for nbytes in (3 * cpu_k.DIGEST_CHUNK_BYTES + 100, 2 * cpu_k.DIGEST_CHUNK_BYTES + 4096):
+        raw = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        assert np.array_equal(cpu_k.chunk_digests(raw), chunk_digests_ref(raw, cpu_k.DIGEST_CHUNK_BYTES))
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

@@ -70,6 +70,9 @@ class Backend(Protocol):
         """chunk_class_starts then ranked_positions, as each backend does them best: the
         entries' positions (-1: not found), how many were found, and the base's class sizes."""
 
+    def chunk_digests(self, data: "np.ndarray", chunk: int) -> "np.ndarray":
+        """XXH3-128 of each `chunk` bytes of the array's bytes, as host rows of (low, high) uint64."""
+
     def add_at(self, out: "np.ndarray", positions: "np.ndarray",
                deltas: "np.ndarray") -> "tuple[np.ndarray, int]":
         """out[positions] += un-zigzagged deltas in place; the old values (an undo log) and the out-of-range count."""

@@ -685,6 +685,38 @@ def word_sum(data: np.ndarray) -> int:
     return total & 0xFFFFFFFFFFFFFFFF
 
 
+# -- chunk digests: the leaves of a digest computed in parallel -------------------------
+#
+# XXH3-128 is sequential over a buffer: a tensor's hash takes one core (or one GPU warp)
+# however large it is. Hashes of fixed chunks are independent, so every thread, and on a GPU
+# every warp, takes chunks of its own; a digest over the chunk hashes (the root) then costs 16
+# bytes per chunk. At 256 KiB the host's hasher runs as fast as on whole buffers (41 GB/s
+# from cache on machine D, as at 1 MiB; 64 KiB chunks cost 15%, 16 KiB 46%), and a 32 MiB
+# tensor still gives a GPU 128 warps.
+
+DIGEST_CHUNK_BYTES = 1 << 18
+
+
+def chunk_digests(data: np.ndarray, chunk: int = DIGEST_CHUNK_BYTES) -> np.ndarray:
+    """XXH3-128 of each `chunk` bytes of the array's bytes (C order; the last chunk may be
+    shorter), as rows of (low 64 bits, high 64 bits), uint64; no rows for an empty array."""
+    import xxhash  # releases the GIL over large buffers: chunks hash side by side
+
+    if chunk < 256 or chunk % 64:
+        raise ValueError("chunk_digests needs a chunk of at least 256 bytes and a multiple of 64")
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    m = -(-raw.size // chunk)
+    out = np.empty((m, 2), np.uint64)
+
+    def leaves(lo: int, hi: int) -> None:
+        for c in range(lo, hi):
+            value = xxhash.xxh3_128_intdigest(raw[c * chunk:(c + 1) * chunk])
+            out[c, 0], out[c, 1] = value & 0xFFFFFFFFFFFFFFFF, value >> 64
+
+    parallel_map(leaves, chunk_ranges(m, min(m, num_threads())) if m else [])
+    return out
+
+
 # -- ranked positions and in-place updates: patching live tensors --------------------
 
 
