@@ -9,6 +9,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import pulsediff.ops.apply as apply_mod
@@ -124,7 +125,7 @@ def test_a_damaged_patch_over_the_right_base_fails_once_with_its_own_error(steps
     real_apply, real_write = apply_mod._apply, apply_mod._write_target
 
     def counted(*args, **kwargs):
-        tries.append(kwargs.get("speculate", False))
+        tries.append(kwargs.get("speculation") is not None)
         return real_apply(*args, **kwargs)
 
     def counted_write(*args, **kwargs):
@@ -156,10 +157,13 @@ def test_a_damaged_patch_over_the_right_base_fails_once_with_its_own_error(steps
 
 def test_bf16_mode_reads_the_base_once_too(tmp_path, monkeypatch):
     rng = np.random.default_rng(33)
-    old = {"w": random_tensor(rng, "F32", (64, 32)), "b": random_tensor(rng, "BF16", (64,))}
-    new = {"w": mutate(rng, old["w"], 0.05), "b": mutate(rng, old["b"], 0.05)}
+    old = {"w": random_tensor(rng, "F32", (64, 32)), "b": random_tensor(rng, "BF16", (256,))}
+    visible = torch.from_numpy(rng.random((64, 32)) < 0.05)
+    new = {"w": torch.where(visible, old["w"] * 1.05, old["w"]), "b": mutate(rng, old["b"], 0.2)}
     old_path, new_path = save(old, tmp_path / "old.safetensors"), save(new, tmp_path / "new.safetensors")
     make_patch(old_path, new_path, tmp_path / "p", device="cpu", precision="bf16")
+    with Checkpoint(old_path) as ckpt, Checkpoint(new_path) as ckpt_new:  # the patch changes something
+        assert tensor_ids(TensorView(ckpt, "bf16")) != tensor_ids(TensorView(ckpt_new, "bf16"))
     # reference bytes, in the checked order (a stream is never read speculatively)
     apply_patch(old_path, io.BytesIO((tmp_path / "p").read_bytes()), tmp_path / "checked", device="cpu")
     monkeypatch.setattr(apply_mod, "tensor_ids", lambda *a, **k: (_ for _ in ()).throw(AssertionError("hashed")))
@@ -170,3 +174,48 @@ def test_bf16_mode_reads_the_base_once_too(tmp_path, monkeypatch):
     with pytest.raises(BaseMismatchError):
         apply_patch(save(other, tmp_path / "other.safetensors"), tmp_path / "p", tmp_path / "out2", device="cpu")
     assert not (tmp_path / "out2").exists()
+
+
+def test_headers_that_allow_another_start_keep_the_checked_order(tmp_path, monkeypatch):
+    """Review of the first version: a patch whose base digest is its target's (only metadata
+    changed), and a chain that comes back to its base (A -> B, B -> A, A -> C), must start where
+    the checked order starts: "up-to-date" in place, and only the last link."""
+    rng = np.random.default_rng(34)
+    a = {"w": random_tensor(rng, "BF16", (64, 16)), "b": random_tensor(rng, "F32", (32,))}
+    b = {"w": mutate(rng, a["w"], 0.05), "b": mutate(rng, a["b"], 0.2)}
+    c = {"w": mutate(rng, a["w"], 0.05), "b": a["b"]}
+    pa, pb, pc = (save(t, tmp_path / f"{k}.safetensors") for k, t in zip("abc", (a, b, c)))
+    relabelled = save(a, tmp_path / "a2.safetensors", metadata={"step": "2"})
+    make_patch(pa, relabelled, tmp_path / "meta", device="cpu")
+    for src, dst, name in ((pa, pb, "ab"), (pb, pa, "ba"), (pa, pc, "ac")):
+        make_patch(src, dst, tmp_path / name, device="cpu")
+    inplace = save(a, tmp_path / "inplace.safetensors")
+    before = inplace.read_bytes()
+    assert apply_patch(inplace, tmp_path / "meta", in_place=True, device="cpu").status == "up-to-date"
+    assert inplace.read_bytes() == before
+    result = apply_chain(pa, [tmp_path / "ab", tmp_path / "ba", tmp_path / "ac"], tmp_path / "out", device="cpu")
+    assert result.links_applied == 1 and (tmp_path / "out").read_bytes() == pc.read_bytes()
+
+
+def test_a_failure_after_the_base_was_verified_is_not_retried(steps, monkeypatch):
+    """An error from the commit itself (after BaseCheck.finish found the base right) is the
+    error: no second try hashes the base and reports something else."""
+    from pulsediff.errors import OutputError
+    from pulsediff.io.atomic import StagedFiles
+
+    tmp, (s0, s1, s2) = steps
+    tries = []
+    real_apply = apply_mod._apply
+
+    def counted(*args, **kwargs):
+        tries.append(kwargs.get("speculation") is not None)
+        return real_apply(*args, **kwargs)
+
+    def failing_commit(self):
+        raise OutputError("cannot finish writing (injected)")
+
+    monkeypatch.setattr(apply_mod, "_apply", counted)
+    monkeypatch.setattr(StagedFiles, "commit", failing_commit)
+    with pytest.raises(OutputError, match="injected"):
+        apply_patch(s0, tmp / "p01", tmp / "out", device="cpu")
+    assert tries == [True] and not (tmp / "out").exists()

@@ -1413,6 +1413,7 @@ _LO32 = np.uint64(0xFFFFFFFF)
 _U32 = np.uint64(32)
 _U37 = np.uint64(37)
 _U47 = np.uint64(47)
+_XXH_TABLES: list = []  # _XXH_KEYS and _XXH_INIT on the device, uploaded at the first call
 _XXH_SHORT = 240  # XXH3 hashes inputs up to this length another way
 _WARP = 32
 
@@ -1545,8 +1546,10 @@ def chunk_digests(data, chunk: int = DIGEST_CHUNK_BYTES) -> np.ndarray:
     if nbytes - (m - 1) * chunk > _XXH_SHORT or m > 1:
         _, _, max_blocks = _launch_config()
         d_out = cuda.device_array((m, 2), np.uint64)
-        _chunk_xxh3[min(m, max_blocks), _WARP, 0, _WARP * 4 * 8](words, raw, nbytes, chunk, _XXH_KEYS,
-                                                               _XXH_INIT, d_out)
+        if not _XXH_TABLES:
+            _XXH_TABLES.extend((cuda.to_device(_XXH_KEYS), cuda.to_device(_XXH_INIT)))
+        keys, init = _XXH_TABLES
+        _chunk_xxh3[min(m, max_blocks), _WARP, 0, _WARP * 4 * 8](words, raw, nbytes, chunk, keys, init, d_out)
         out = d_out.copy_to_host()
     tail = nbytes - (m - 1) * chunk
     if tail <= _XXH_SHORT:

@@ -14,6 +14,7 @@ Order of checks, so that nothing is written unless everything holds:
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -113,24 +114,39 @@ def apply_chain(
     args = (base, patches, out, in_place, device, progress, dry_run, force, expect_target, expect_where)
     if (base_ids is None and not dry_run and base is not None and (in_place or not Path(out).exists())
             and all(isinstance(p, (str, Path)) and str(p) != "-" for p in patches)):
+        speculation = _Speculation()
+        failure = None
         try:
-            return _apply(*args, speculate=True)
+            return _apply(*args, speculation=speculation)
         except BaseDiffers:
             pass  # the base is not the first patch's: hash it first, and find out what it is
-        except PulsediffError as failure:
+        except PulsediffError as error:
+            if speculation.check is not None and speculation.check.verified:
+                raise  # past the base's check (the commit's own errors): what the checked order says too
+            failure = error
+        if failure is not None:
             # Hash the base first, as the checked order would have: a wrong base is reported as
             # that, whatever went wrong with it; the same failure again (with the base the first
-            # patch's) is not run twice.
-            return _apply(*args, retrying=failure)
+            # patch's) is not run twice. The failed try's frames (its buffers) are let go first.
+            traceback.clear_frames(failure.__traceback__)
+        return _apply(*args, retrying=failure)
     return _apply(*args, base_ids=base_ids)
 
 
+@dataclass
+class _Speculation:
+    """apply_chain's try with the base's digest taken during the rebuild: its BaseCheck, once made
+    (None: the headers ruled the try out, and it ran in the checked order)."""
+
+    check: BaseCheck | None = None
+
+
 def _apply(base, patches, out, in_place, device, progress, dry_run, force, expect_target, expect_where,
-           base_ids: dict[str, TensorId] | None = None, speculate: bool = False,
+           base_ids: dict[str, TensorId] | None = None, speculation: _Speculation | None = None,
            retrying: PulsediffError | None = None) -> ApplyResult:
-    """apply_chain's work. `speculate`: the base's digest taken during the rebuild (BaseCheck),
-    assuming the first patch's base. `retrying`: what that try failed with, raised again if the
-    base turns out to be the first patch's."""
+    """apply_chain's work. `speculation`: the base's digest taken during the rebuild (BaseCheck),
+    assuming the first patch's base, where the headers allow it. `retrying`: what that try failed
+    with, raised again if the base turns out to be the first patch's."""
     out_path = Path(base) if in_place else Path(out) if out is not None else None
     with open_chain(patches) as links:
         first_link, final_link = links[0], links[-1]
@@ -162,7 +178,15 @@ def _apply(base, patches, out, in_place, device, progress, dry_run, force, expec
                 _check_output_kind(rebuilds, out)
                 refuse_existing(out, force)
             base_is_target = False
-            base_check = BaseCheck(first_link.header, view) if speculate else None
+            # The try assumes the base is the first patch's. When the headers say that base could
+            # also be the target, or a later link's base, the checked order would pick another
+            # start: the base is hashed first then.
+            first = first_link.header
+            speculate = (speculation is not None and first.base_digest != final.target_digest
+                         and all(link.header.base_digest != first.base_digest for link in links[1:]))
+            base_check = BaseCheck(first, view) if speculate else None
+            if speculation is not None:
+                speculation.check = base_check
             if not speculate:
                 if base_ids is None:
                     base_ids = tensor_ids(view, progress)

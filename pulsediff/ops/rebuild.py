@@ -46,6 +46,7 @@ class BaseCheck:
     def __init__(self, header: PatchHeader, view: TensorView):
         self.header, self.view = header, view
         self._hashes: dict[str, str] = {}
+        self.verified = False  # finish() found the base to be the patch's
 
     def _seen(self, rec: TensorRecord, digest: str) -> None:
         if digest != rec.base_hash:
@@ -71,17 +72,20 @@ class BaseCheck:
     def finish(self) -> None:
         """Hash the base tensors the rebuild did not read (carried whole, or removed), then compare
         the base's digest with the first link's."""
-        from pulsediff.kernels.threads import parallel_map
+        from pulsediff.kernels.threads import num_threads, parallel_map
 
         view = self.view
         rest = [name for name in view.ckpt.names if name not in self._hashes]
-        for name, digest in zip(rest, parallel_map(lambda name: tensor_hash(view.get(name).bits),
-                                                   [(name,) for name in rest])):
-            self._hashes[name] = digest
+        batch = num_threads()  # as tensor_ids: views (bf16 casts) taken here, only the hashing spread
+        for first in range(0, len(rest), batch):
+            tensors = [view.get(name) for name in rest[first:first + batch]]
+            for t, digest in zip(tensors, parallel_map(tensor_hash, [(t.bits,) for t in tensors])):
+                self._hashes[t.name] = digest
         ids = [TensorId(name, view.dtype_of(name).name, view.shape_of(name), digest)
                for name, digest in self._hashes.items()]
         if len(ids) != len(view.ckpt.names) or checkpoint_digest(ids) != self.header.base_digest:
             raise BaseDiffers(None)
+        self.verified = True
 
 
 @dataclass
