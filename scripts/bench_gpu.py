@@ -300,6 +300,11 @@ def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[li
         lambda: K.diff_ranks(d_old, d_new, SHIFT, MASK), 2 * n * w, m * (w + 2 + 8))
     zz, cls, rk, _ = K.diff_ranks(d_old, d_new, SHIFT, MASK)
     ok &= np.array_equal(_host(rk), ranks.copy_to_host())
+    # The class sort's keys in one fused kernel (issue 32: 2 B in, 1 B out for BF16).
+    d_keys = cuda.device_array(n, np.uint8)
+    K.class_keys(d_old, SHIFT, MASK, d_keys)
+    ok &= np.array_equal(d_keys.copy_to_host(), ((old.astype(np.int64) >> SHIFT) & MASK).astype(np.uint8))
+    row("class_keys (fused)", lambda: K.class_keys(d_old, SHIFT, MASK, d_keys), n * w, n)
     # The parallel digest's leaves (issue 32): XXH3-128 of each chunk, a warp per chunk.
     from pulsediff.kernels import cpu as C
 

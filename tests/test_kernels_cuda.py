@@ -556,6 +556,41 @@ def test_word_sum_large_on_cpu(cpu_k):
     assert cpu_k.word_sum(b) != cpu_k.word_sum(a)
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_class_keys(cuda_k, case):
+    """The fused key kernel of the class sort: the reference's classes, and torch's keys (the
+    class sort's CPU path) byte for byte, for host arrays, device arrays and device views that
+    start anywhere; as uint8 keys and as int16 ones."""
+    import torch
+
+    from pulsediff.kernels import class_sort
+
+    _, make, shift, mask = case
+    rng = np.random.default_rng(25)
+    for n in (0, 1, 31, 130, 301):
+        base = make(rng, n)
+        want = np.array(classes_ref(base, shift, mask), np.int64)
+        torch_keys = class_sort.class_keys(class_sort.signed_view(torch.from_numpy(base.copy())), shift, mask)
+        for key_type in (np.uint8, np.int16):
+            keys = np.full(n, 99, key_type)
+            cuda_k.class_keys(base, shift, mask, keys)
+            assert np.array_equal(keys.astype(np.int64), want), (n, key_type)
+            d_keys = numba_cuda.to_device(np.zeros(n, key_type))
+            cuda_k.class_keys(numba_cuda.to_device(base), shift, mask, d_keys)
+            assert np.array_equal(d_keys.copy_to_host().astype(np.int64), want)
+        assert np.array_equal(torch_keys.numpy().astype(np.int64), want)
+    base = make(rng, 77)
+    d = numba_cuda.to_device(base)
+    for start in (1, 2, 5):
+        keys = np.zeros(77 - start, np.uint8)
+        cuda_k.class_keys(d[start:], shift, mask, keys)
+        assert np.array_equal(keys.astype(np.int64), classes_ref(base[start:], shift, mask))
+    with pytest.raises(ValueError):
+        cuda_k.class_keys(base, shift, mask, np.zeros(76, np.uint8))
+    with pytest.raises(ValueError):
+        cuda_k.class_keys(base, shift, 4095, np.zeros(77, np.uint8))
+
+
 @pytest.mark.parametrize("chunk", [256, 1024, 2048])
 def test_chunk_digests(cuda_k, cpu_k, chunk):
     """XXH3-128 per chunk, a warp per chunk: every shape of XXH3's long path (a chunk of one

@@ -91,13 +91,13 @@ def test_a_damaged_tensor_rebuilt_side_by_side_writes_nothing_and_leaves_no_rebu
     real = rebuild_mod.rebuild_tensor
     running, threads_seen = [], set()
 
-    def slow_or_failing(rec, payload, base_bits, backend, source, scratch, alone=False):
+    def slow_or_failing(rec, payload, base_bits, backend, source, scratch, alone=False, base_hash=None):
         running.append(rec.name)
         threads_seen.add(threading.current_thread().name)
         try:
             if rec.name == "w7":
                 raise CorruptPatchError(source, f"tensor {rec.name!r}: forced")
-            return real(rec, payload, base_bits, backend, source, scratch, alone)
+            return real(rec, payload, base_bits, backend, source, scratch, alone, base_hash)
         finally:
             running.remove(rec.name)
 

@@ -15,15 +15,18 @@ digit pass for BF16's 256 exponent classes, at memory speed, written and tuned b
 replaces a hand-written rank walk whose speed depends on how the changes fall (issue 26
 measured the Numba walk at 16-32 GB/s on an H100, under 2% of its copy bandwidth).
 
-Byte budget per base element, BF16 (mask 255), as torch runs it (one kernel per operation, no
-fusion): the shift reads 2 B and writes 2 B, the mask rewrites them in place (2 + 2), the
-narrowing to a uint8 key reads 2 and writes 1, the histogram reads 1; the sort writes the int64
-index sequence (8), then reads key and index and writes both (CUB's onesweep: 1 + 8 + 1 + 8,
-plus a digit-histogram pass over the keys, 1). About 39 B per element against the 2 B a plain
-read of the tensor costs: a 6.74e9-element 7B model is ~260 GB of traffic, ~100 ms at the
-2.4-2.7 TB/s an H100 copies at. A fused key kernel (2 B in, 1 B out) would save 9 B of it.
-The gathers touch only the ~1% of listed entries. scripts/bench_gpu.py measures it next to the
-Numba walk. Each window also costs a few host synchronisations (nonzero, the found count).
+Byte budget per base element, BF16 (mask 255): the keys come from one fused kernel
+(kernels.cuda.class_keys: reads 2 B, writes 1 B; torch's shift, mask and narrowing took 11 B),
+the histogram reads 1; the sort writes the int64 index sequence (8), then reads key and index
+and writes both (CUB's onesweep: 1 + 8 + 1 + 8, plus a digit-histogram pass over the keys, 1).
+About 31 B per element against the 2 B a plain read of the tensor costs: a 6.74e9-element 7B
+model is ~210 GB of traffic, ~80 ms at the 2.4-2.7 TB/s an H100 copies at. The gathers touch
+only the ~1% of listed entries. scripts/bench_gpu.py measures it next to the Numba walk.
+
+Host synchronisations, counted: locate_ranked, one per window (the nonzero of the entries that
+fall in it) and one per call (the found count); diff_ranks, two per window that has a change
+(whether it has one; the nonzero of its changed slots), one for a window without, and the
+final gathers' none. The key kernel adds none (it runs on torch's current stream).
 
 Memory: the tensor is taken in windows of WINDOW elements (the two 2-byte temporaries, keys,
 sorted keys, int64 permutation and CUB's scratch: ~30 B per element of a window, ~0.5 GiB at
@@ -63,7 +66,8 @@ def class_keys(bits, shift: int, mask: int):
     """(bits >> shift) & mask, as the narrowest integer that holds mask (uint8 for <= 255:
     a one-digit radix sort). Computed in the bits' own signed width: FORMAT.md's s + b <= W
     keeps the field inside the element, so the arithmetic shift's copies of the sign bit are
-    masked off, and no wider temporary is made."""
+    masked off, and no wider temporary is made. (On a GPU, kernels.cuda passes its fused
+    kernel in its place: `keys_of` below.)"""
     torch = _torch()
     keys = bits >> shift
     keys &= mask
@@ -99,11 +103,12 @@ def _stable_order(keys, mask: int):
     return torch.sort(keys, stable=True).indices
 
 
-def locate_ranked(base, shift: int, mask: int, class_offsets, ranks, window: int = WINDOW):
+def locate_ranked(base, shift: int, mask: int, class_offsets, ranks, window: int = WINDOW, keys_of=class_keys):
     """Where each (class, rank) entry lies in `base` (flat integer bit patterns, any device):
     int64 positions in entry order, -1 for an entry whose rank is outside its class or not
     above the previous entry's of its class; how many were found; and the base's class sizes
-    (int64, mask + 1). Entries are class-major: entries class_offsets[c] .. class_offsets[c +
+    (int64, mask + 1). `keys_of(bits, shift, mask)` makes a window's sort keys (class_keys,
+    or on a GPU kernels.cuda's fused kernel). Entries are class-major: entries class_offsets[c] .. class_offsets[c +
     1] - 1 belong to class c (checked: ValueError otherwise). Ranks that do not rise within a
     class mean a damaged patch: the walks may find a different number of such entries, but
     never all of them, so a caller that requires every entry found refuses it either way."""
@@ -119,7 +124,7 @@ def locate_ranked(base, shift: int, mask: int, class_offsets, ranks, window: int
     where = torch.full((m,), -1, dtype=torch.int64, device=dev)
     seen = torch.zeros(ncls, dtype=torch.int64, device=dev)
     for lo, hi in _windows(bits.numel(), window):
-        keys = class_keys(bits[lo:hi], shift, mask)
+        keys = keys_of(bits[lo:hi], shift, mask)
         sizes = _sizes(keys, ncls)
         if m:
             perm = _stable_order(keys, mask)
@@ -138,10 +143,11 @@ def locate_ranked(base, shift: int, mask: int, class_offsets, ranks, window: int
     return where, found, seen
 
 
-def diff_ranks(old, new, shift: int, mask: int, window: int = WINDOW):
+def diff_ranks(old, new, shift: int, mask: int, window: int = WINDOW, keys_of=class_keys):
     """make's compare and ranking: for each element whose bits differ, in position order, the
     zigzag-coded difference new - old modulo 2**width (int64), its base class (int64) and its
-    rank within that class (int64); and the class sizes (int64, mask + 1). Any device."""
+    rank within that class (int64); and the class sizes (int64, mask + 1). Any device.
+    `keys_of` as in locate_ranked."""
     torch = _torch()
     a, b = signed_view(old), signed_view(new)
     if a.numel() != b.numel() or a.element_size() != b.element_size():
@@ -153,7 +159,7 @@ def diff_ranks(old, new, shift: int, mask: int, window: int = WINDOW):
     parts = []
     for lo, hi in _windows(a.numel(), window):
         wa, wb = a[lo:hi], b[lo:hi]
-        keys = class_keys(wa, shift, mask)
+        keys = keys_of(wa, shift, mask)
         sizes = _sizes(keys, ncls)
         changed = wa != wb
         if bool(changed.any()):

@@ -201,16 +201,17 @@ def is_device_array(a) -> bool:
     return bool(getattr(a, "__cuda_ndarray__", False)) or hasattr(a, "__cuda_array_interface__")
 
 
-def _as_cuda_array(obj):
+def _as_cuda_array(obj, sync: bool = True):
     """A Numba device array over an exporter's memory (no copy). Kernels read bit patterns, so
     a typestr that is not an integer (torch's bfloat16 `<V2`, floats) is imported as the
-    unsigned integers of its width."""
+    unsigned integers of its width. `sync`: wait for the stream the exporter names (a host
+    synchronisation), unless the caller orders its launches after that stream's work itself."""
     iface = dict(obj.__cuda_array_interface__)
     dtype = np.dtype(iface["typestr"])
     if dtype.kind not in "iu":
         iface["typestr"] = _bits_dtype(dtype).str
     if hasattr(cuda, "from_cuda_array_interface"):
-        return cuda.from_cuda_array_interface(iface, owner=obj, sync=True)
+        return cuda.from_cuda_array_interface(iface, owner=obj, sync=sync)
     # The simulator has none of this: its "device" memory is host memory, so the
     # interface's pointer is a host pointer, wrapped here as it is (no copy either).
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
@@ -223,9 +224,9 @@ def _as_cuda_array(obj):
     return FakeCUDAArray(np.asarray(_Exported()))
 
 
-def _device_view(a):
+def _device_view(a, sync: bool = True):
     """`a` (already on the device) as a flat Numba device array over the same memory."""
-    d = a if getattr(a, "__cuda_ndarray__", False) else _as_cuda_array(a)
+    d = a if getattr(a, "__cuda_ndarray__", False) else _as_cuda_array(a, sync)
     if d.size and not d.is_c_contiguous():
         raise ValueError("device arrays must be C-contiguous: a strided one could only be used through a copy")
     return d if d.ndim == 1 else d.ravel()
@@ -1103,11 +1104,55 @@ def locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
 
         ranks_t = _torch_of(ranks) if is_device_array(ranks) else ranks
         offsets = _device_view(class_offsets).copy_to_host() if is_device_array(class_offsets) else class_offsets
-        where, found, sizes = class_sort.locate_ranked(_torch_of(base), shift, mask, offsets, ranks_t)
+        where, found, sizes = class_sort.locate_ranked(_torch_of(base), shift, mask, offsets, ranks_t,
+                                                       keys_of=_torch_class_keys)
         return _as_cuda_array(where), found, sizes.cpu().numpy()
     starts, sizes = chunk_class_starts(base, shift, mask)
     where, found = ranked_positions(base, shift, mask, starts, class_offsets, ranks)
     return where, found, sizes.copy_to_host() if hasattr(sizes, "copy_to_host") else sizes
+
+
+@cuda.jit(cache=True)
+def _class_keys(bits, shift, mask, keys):
+    # Element i to thread i of a round: a warp reads 32 consecutive elements and writes 32
+    # consecutive keys. Signed 8-byte views (signed64) make the shift arithmetic, as defined.
+    for i in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
+        keys[i] = (int64(bits[i]) >> shift) & mask
+
+
+def _torch_class_keys(bits, shift: int, mask: int):
+    """kernels.class_sort's keys of a torch CUDA tensor by the fused kernel, launched on torch's
+    current stream (so after the work that made `bits`, with no host synchronisation)."""
+    import torch
+
+    keys = torch.empty(bits.numel(), dtype=torch.uint8 if mask <= 255 else torch.int16, device=bits.device)
+    handle = torch.cuda.current_stream(bits.device).cuda_stream
+    class_keys(bits, shift, mask, keys, cuda.external_stream(handle) if handle else cuda.default_stream())
+    return keys
+
+
+def class_keys(bits, shift: int, mask: int, keys, stream=0) -> None:
+    """keys[i] = (int64(bits[i]) >> shift) & mask, written into `keys` (uint8 or int16, as many
+    as bits): kernels.class_sort's sort keys in one fused kernel. Byte budget per element: the
+    element read once (2 B for BF16), its key written once (1 B), where torch's shift, mask and
+    narrowing read and write 11 B. Device arrays (torch CUDA tensors) are used in place; with a
+    `stream` (the caller's, e.g. torch's current stream through cuda.external_stream) the
+    kernel is ordered after that stream's work without a host synchronisation. Host arrays are
+    copied in and out. Launch: THREADS_PER_BLOCK threads, up to MAX_BLOCKS blocks, grid-stride."""
+    _check_class_field(shift, mask)
+    sync = stream == 0
+    d = _device_view(bits, sync) if is_device_array(bits) else bits
+    d = _bits(d, signed64=True)
+    k = _device_view(keys, sync) if is_device_array(keys) else cuda.to_device(np.ascontiguousarray(keys))
+    if k.size != d.size:
+        raise ValueError("class_keys needs as many keys as elements")
+    if mask >= 1 << (8 * np.dtype(k.dtype).itemsize - (np.dtype(k.dtype).kind == "i")):
+        raise ValueError("class_keys: the mask does not fit the keys' type")
+    if d.size:
+        tpb, _, max_blocks = _launch_config()
+        _class_keys[min(-(-d.size // tpb), max_blocks), tpb, stream](d, shift, mask, k)
+    if not is_device_array(keys):
+        keys[...] = k.copy_to_host().reshape(keys.shape)
 
 
 @cuda.jit(cache=True)
@@ -1172,7 +1217,7 @@ def _diff_ranks_sorted(old, new, shift: int, mask: int):
     from pulsediff.kernels import class_sort
 
     o = _torch_of(old)
-    zigzag, classes, ranks, sizes = class_sort.diff_ranks(o, _torch_of(new), shift, mask)
+    zigzag, classes, ranks, sizes = class_sort.diff_ranks(o, _torch_of(new), shift, mask, keys_of=_torch_class_keys)
     signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
     zz = _as_cuda_array(zigzag.to(signed)).view(_UNSIGNED[o.element_size()])
     cls = _as_cuda_array(classes.to(torch.int16)).view(np.uint16)
@@ -1564,7 +1609,7 @@ from pulsediff.kernels.cpu import class_major_order  # noqa: E402
 
 __all__ = ["diff_compact", "scatter", "gaps_to_positions", "chunk_class_starts", "class_ranks", "apply_ranked",
            "diff_ranks", "class_major_order", "word_sum", "ranked_positions", "add_at", "resident", "ranked_window",
-           "chunk_digests", "is_device_array"]
+           "chunk_digests", "class_keys", "is_device_array"]
 
 
 # --- the boundary: warnings kept in, CUDA stack failures made one line -----------------

@@ -23,9 +23,9 @@ import numpy as np
 
 from pulsediff.codecs import get_codec
 from pulsediff.codecs.base import Scratch, SectionContext, zstd_decompress_exact
-from pulsediff.errors import (BaseFileMismatchError, BaseMismatchError, CorruptPatchError, PulsediffError,
-                              TargetMismatchError, TensorMismatchError, UsageError, refuse_existing,
-                              refuse_folder_for_file)
+from pulsediff.errors import (BaseFileMismatchError, BaseMismatchError, ChainError, CorruptPatchError,
+                              InvalidPatchError, PulsediffError, TargetMismatchError, TensorMismatchError, UsageError,
+                              refuse_existing, refuse_folder_for_file)
 from pulsediff.format.digest import TensorId, checkpoint_digest
 from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
 from pulsediff.format.patch_file import Link, check_file_header, open_chain, read_layout
@@ -100,8 +100,9 @@ def apply_chain(
     The base is read once: when the patches are files and OUT does not exist
     yet, the base's digest is taken during the rebuild, assuming the base is
     the first patch's (BaseCheck), and checked before anything is committed.
-    If it is not, or anything fails, the base is hashed first after all and
-    the apply runs in that checked order, so every error reads as it would.
+    If it is not, or a failure a wrong base could cause happens, the base is
+    hashed first after all and the apply runs in that checked order, so every
+    error reads as it would.
     """
     if not patches:
         raise UsageError("give at least one patch")
@@ -120,7 +121,7 @@ def apply_chain(
             return _apply(*args, speculation=speculation)
         except BaseDiffers:
             pass  # the base is not the first patch's: hash it first, and find out what it is
-        except PulsediffError as error:
+        except _BASE_DEPENDENT as error:
             if speculation.check is not None and speculation.check.verified:
                 raise  # past the base's check (the commit's own errors): what the checked order says too
             failure = error
@@ -131,6 +132,13 @@ def apply_chain(
             traceback.clear_frames(failure.__traceback__)
         return _apply(*args, retrying=failure)
     return _apply(*args, base_ids=base_ids)
+
+
+# What a base other than the first patch's can cause, and so what the checked order might report
+# otherwise: any other error (an input changed while read, the disk, memory) is the error either way,
+# and a second try would read what the first one saw change.
+_BASE_DEPENDENT = (InvalidPatchError, BaseMismatchError, BaseFileMismatchError, TensorMismatchError, ChainError,
+                   TargetMismatchError)
 
 
 @dataclass
