@@ -181,3 +181,14 @@ def chunk_digests_ref(data: np.ndarray, chunk: int) -> np.ndarray:
         value = xxhash.xxh3_128_intdigest(raw[lo:lo + chunk])
         rows.append((value & 0xFFFFFFFFFFFFFFFF, value >> 64))
     return np.array(rows, np.uint64).reshape(-1, 2)
+
+
+def tree_hash_ref(data: np.ndarray, chunk: int = 1 << 18) -> str:
+    """format.digest.tree_hash written out: XXH3-128 of the byte length (u64 LE) followed by each
+    chunk's canonical XXH3-128 digest (the xxhash library's own bytes)."""
+    import xxhash
+
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).tobytes()
+    body = len(raw).to_bytes(8, "little") + b"".join(xxhash.xxh3_128_digest(raw[lo:lo + chunk])
+                                                      for lo in range(0, len(raw), chunk))
+    return xxhash.xxh3_128_hexdigest(body)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from cuda_sim import SMALL_LAUNCH, fast_simulator, launch_config
 from reference import (add_at_ref, apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, classes_ref,
                        diff_compact_ref, diff_ranks_ref, gaps_to_positions_ref, ranked_positions_ref, scatter_ref,
-                       word_sum_ref, chunk_digests_ref)
+                       word_sum_ref, chunk_digests_ref, tree_hash_ref)
 
 try:
     from numba import config as numba_config
@@ -621,6 +621,35 @@ def test_chunk_digests(cuda_k, cpu_k, chunk):
     assert not np.array_equal(cuda_k.chunk_digests(flipped, chunk)[-1], cuda_k.chunk_digests(raw, chunk)[-1])
     with pytest.raises(ValueError):
         cuda_k.chunk_digests(raw, 100)
+
+
+def test_tree_hash_on_both_backends(cuda_k, cpu_k):
+    """format.digest.tree_hash: the reference's bytes, from the CPU's leaves and the device's (a
+    device array read in place), with 1 KiB chunks so that the simulator spans several; a
+    flipped bit in any chunk changes it."""
+    from pulsediff.format.digest import tree_hash
+
+    rng = np.random.default_rng(26)
+    for n in (0, 1, 100, 512, 513, 1800):
+        a = rng.integers(0, 2**16, n, dtype=np.uint16)
+        want = tree_hash_ref(a, 1024)
+        assert tree_hash(a, chunk=1024) == want == tree_hash(a, cuda_k, 1024), n
+        assert tree_hash(numba_cuda.to_device(a), cuda_k, 1024) == want, n
+    a = rng.integers(0, 2**16, 1800, dtype=np.uint16)
+    seen = {tree_hash(a, chunk=1024)}
+    for i in (0, 511, 512, 1799):
+        b = a.copy()
+        b[i] ^= 1
+        seen.add(tree_hash(b, cuda_k, 1024))
+    assert len(seen) == 5
+
+
+def test_tree_hash_at_the_format_chunk_on_cpu():
+    from pulsediff.format.digest import tree_hash
+
+    rng = np.random.default_rng(27)
+    a = rng.integers(0, 2**16, (3 << 17) + 5, dtype=np.uint16)  # three chunks and a short fourth
+    assert tree_hash(a) == tree_hash_ref(a)
 
 
 def test_chunk_digests_at_the_format_chunk_on_cpu(cpu_k):

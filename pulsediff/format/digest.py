@@ -86,6 +86,25 @@ def tensor_hasher():
     return xxhash.xxh3_128()
 
 
+def tree_hash(bits: np.ndarray, backend=None, chunk: int | None = None) -> str:
+    """A tensor's hash as a tree, which a GPU computes where the tensor lives: XXH3-128 over the
+    tensor's byte length (u64, little-endian) and then each 256 KiB chunk's XXH3-128 (16 bytes,
+    canonical: high half first, big-endian), as hex. The chunks come from `backend`'s
+    chunk_digests (kernels.cpu by default; kernels.cuda reads a device array in place).
+
+    Not yet in any format version: it is the per-tensor hash planned for format 1.4 (issue 32),
+    whose tensor records and digests will use it; today's patches use tensor_hash. `chunk`:
+    another chunk size, for tests."""
+    from pulsediff.kernels import cpu
+
+    backend = backend or cpu
+    leaves = np.asarray(backend.chunk_digests(bits, chunk or cpu.DIGEST_CHUNK_BYTES), np.uint64).reshape(-1, 2)
+    nbytes = bits.size * bits.dtype.itemsize
+    h = xxhash.xxh3_128(struct.pack("<Q", nbytes))
+    h.update(np.ascontiguousarray(leaves[:, ::-1]).astype(">u8").tobytes())
+    return h.hexdigest()
+
+
 _CHECK_BLOCK = 1 << 18  # bytes hashed and summed in turn: a block stays in cache for the second pass
 
 
