@@ -488,6 +488,20 @@ def make_from_state_dicts(tensors, arrays, repeats: int, info: dict) -> list[lis
              gbps(nbytes, t_compare)]]
 
 
+def model_digest(tensors, arrays, repeats: int) -> tuple[list[list[str]], bool]:
+    """format.digest.tree_hash (the per-tensor hash planned for format 1.4) of every tensor where it
+    lives, one tensor after another (a launch each), against the same of the host's copies."""
+    from pulsediff.format.digest import tree_hash
+    from pulsediff.kernels import cuda as K
+
+    device = [tree_hash(t.dev, K) for t in tensors]
+    ok = device == [tree_hash(arrays.to_host(t.dev)) for t in tensors]
+    seconds = timed(lambda: [tree_hash(t.dev, K) for t in tensors], repeats)
+    nbytes = sum(t.expected.nbytes for t in tensors)
+    return [[f"tree_hash of every tensor on the device ({len(tensors)} launches)", f"{seconds * 1e3:.1f}",
+             gbps(nbytes, seconds)]], ok
+
+
 def live_apply(tensors, arrays, repeats: int, info: dict) -> list[str]:
     """pulsediff.ops.live.apply_to_state_dict end to end, with a real ctx-rans patch."""
     import torch
@@ -583,6 +597,10 @@ def main(argv=None) -> int:
               ["what", "bytes moved host to device", "ms", "GB/s of weights", "x dense"], rows)
         print(f"\npatched tensors bit for bit: {'yes' if model_ok else 'NO'}")
         ok &= model_ok
+        rows, digest_ok = model_digest(model_tensors, arrays, args.repeats)
+        table(f"The planned 1.4 tensor hash of {shape_name} where it lives", ["what", "ms", "GB/s of weights"], rows)
+        print(f"\ndevice tree hashes equal the host's: {'yes' if digest_ok else 'NO'}")
+        ok &= digest_ok
         if args.make and isinstance(arrays, TorchTensors):
             rows = make_from_state_dicts(model_tensors, arrays, args.repeats, info)
             table(f"Making the patch from two CUDA state dicts ({shape_name})", ["what", "ms", "GB/s of both models"],

@@ -99,8 +99,7 @@ def tree_hash(bits: np.ndarray, backend=None, chunk: int | None = None) -> str:
 
     backend = backend or cpu
     leaves = np.asarray(backend.chunk_digests(bits, chunk or cpu.DIGEST_CHUNK_BYTES), np.uint64).reshape(-1, 2)
-    nbytes = bits.size * bits.dtype.itemsize
-    h = xxhash.xxh3_128(struct.pack("<Q", nbytes))
+    h = xxhash.xxh3_128(struct.pack("<Q", bits.nbytes))  # numpy, Numba's device arrays and torch alike
     h.update(np.ascontiguousarray(leaves[:, ::-1]).astype(">u8").tobytes())
     return h.hexdigest()
 
