@@ -312,6 +312,11 @@ def test_ctx_rans_encoder_matches_plain_reference(name, dtype, n):
     assert codec.encode_pair(base, target, dtype=DTYPES[name], kernels=cpu, max_changed=changed - 1) == (changed, None)
 
 
+def windows_of(base: np.ndarray, window: int):
+    """The base as consecutive windows of `window` elements, as the windowed rebuild hands them over."""
+    return (base[lo:lo + window] for lo in range(0, base.size, window))
+
+
 @pytest.mark.parametrize("window", [1, 5000, 1 << 17, 1 << 20])
 def test_ctx_rans_windowed_decode_matches_whole_decode(window):
     """Windows (counted and rebuilt one at a time, several kernel ranges each) give the whole decode's bits."""
@@ -329,7 +334,7 @@ def test_ctx_rans_windowed_decode_matches_whole_decode(window):
     codec = get_codec("ctx-rans")
     _, enc = codec.encode_pair(base, target, dtype=DTYPES["BF16"], kernels=cpu)
     payload, ctx = b"".join(enc.parts), SectionContext("t", n, 2, "test")
-    parts = [p.copy() for p in codec.decode_windows(base, payload, enc.params, ctx, cpu, Scratch(), window)]
+    parts = [p.copy() for p in codec.decode_stream(windows_of(base, window), payload, enc.params, ctx, cpu, Scratch())]
     assert [p.size for p in parts] == [min(window, n - lo) for lo in range(0, n, window)]
     assert np.array_equal(np.concatenate(parts), target)
 
@@ -349,13 +354,14 @@ def test_ctx_rans_refuses_a_rank_past_its_class_windowed_before_the_last_window_
     payload, ctx = b"".join(enc.parts), SectionContext("t", 4000, 2, "test")
     other = base.copy()
     other[0] = 0x4080  # another exponent: the class now has 3999 elements, and rank 3999 is past its end
-    windows = codec.decode_windows(other, payload, enc.params, ctx, cpu, Scratch(), 1000)
+    windows = codec.decode_stream(windows_of(other, 1000), payload, enc.params, ctx, cpu, Scratch())
     got = []
     with pytest.raises(CorruptPatchError, match="outside their class"):
         for part in windows:
             got.append(part)
     assert len(got) == 3  # the fourth (last) window is never handed out
-    assert [p.size for p in codec.decode_windows(base, payload, enc.params, ctx, cpu, Scratch(), 1000)] == [1000] * 4
+    assert [p.size for p in codec.decode_stream(windows_of(base, 1000), payload, enc.params, ctx, cpu,
+                                                Scratch())] == [1000] * 4
     # decode_alone (one walk, no class count first) never meets the rank: the applied count says so
     with pytest.raises(CorruptPatchError, match="outside the tensor"):
         codec.decode_alone(other, payload, enc.params, ctx, cpu, Scratch())

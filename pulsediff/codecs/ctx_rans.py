@@ -377,9 +377,10 @@ class CtxRans(Codec):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return where, entries.deltas
 
-    def decode_windows(self, base, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch,
-                       window: int):
-        """The target bits as consecutive windows of `window` elements (the last may be shorter).
+    def decode_stream(self, parts, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
+        """The target bits as consecutive windows, one per window of the base taken from `parts`
+        (the base's own windows, or in a chain the previous link's); they must add up to the
+        tensor's ctx.numel elements.
 
         Each window is counted (class histogram) and rebuilt while it is hot in
         the cache, so the base is read from memory once; memory stays at two
@@ -387,12 +388,6 @@ class CtxRans(Codec):
         `scratch.alternate`: one stays valid while the next is made. The
         class-size and count checks run before the last window is yielded.
         """
-        return self.decode_stream((base[lo:lo + window] for lo in range(0, base.size, window)), payload, params,
-                                  ctx, kernels, scratch)
-
-    def decode_stream(self, parts, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
-        """decode_windows with the base's windows taken from an iterator (in a chain, the previous
-        link's windows); they must add up to the tensor's ctx.numel elements."""
         entries, _ = self._decode_entries(payload, params, ctx, scratch)
         seen = np.zeros(entries.mask + 1, np.int64)  # class sizes of the windows so far
         offsets, ranks, deltas = kernels.resident(entries.offsets, entries.ranks, entries.deltas)  # once per tensor

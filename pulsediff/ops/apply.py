@@ -110,11 +110,11 @@ def apply_chain(
         raise UsageError("give exactly one of an output path or in_place=True")
     if in_place and base is None:
         raise UsageError("in_place needs a base checkpoint")
-    if len(patches) > 1 and any(not isinstance(p, (str, Path)) or str(p) == "-" for p in patches):
+    all_files = all(isinstance(p, (str, Path)) and str(p) != "-" for p in patches)
+    if len(patches) > 1 and not all_files:
         raise UsageError("a chain of several patches must be files (stdin carries one patch)")
     args = (base, patches, out, in_place, device, progress, dry_run, force, expect_target, expect_where)
-    if (base_ids is None and not dry_run and base is not None and (in_place or not Path(out).exists())
-            and all(isinstance(p, (str, Path)) and str(p) != "-" for p in patches)):
+    if base_ids is None and not dry_run and base is not None and (in_place or not Path(out).exists()) and all_files:
         speculation = _Speculation()
         failure = None
         try:

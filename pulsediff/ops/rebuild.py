@@ -100,15 +100,16 @@ class Rebuild:
     base_check: BaseCheck | None = None  # checks base_bits against the first step's record first
 
     def run(self, scratch: Scratch, alone: bool = False) -> np.ndarray:
-        base, check = self.base_bits, self.base_check if self.base_bits is not None else None
-        bits, known_hash = base, None
+        bits = self.base_bits
+        check = self.base_check if bits is not None else None
         for k, (rec, payload, source) in enumerate(self.steps):
-            if k == 0 and check is not None and payload is None:
-                known_hash = check.whole(rec, base)  # the target is the base: one hash checks both
-            bits = rebuild_tensor(rec, payload, bits, self.backend, source, scratch, alone, known_hash)
-            if k == 0 and check is not None and payload is not None:
-                check.whole(rec, base)  # after the decode, which read the base into the cache
-            known_hash = None
+            checked = k == 0 and check is not None
+            # The target is the base (no payload): one hash checks both.
+            known_hash = check.whole(rec, bits) if checked and payload is None else None
+            rebuilt = rebuild_tensor(rec, payload, bits, self.backend, source, scratch, alone, known_hash)
+            if checked and payload is not None:
+                check.whole(rec, bits)  # after the decode, which read the base into the cache
+            bits = rebuilt
         return bits
 
 
