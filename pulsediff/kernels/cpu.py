@@ -697,21 +697,32 @@ def word_sum(data: np.ndarray) -> int:
 DIGEST_CHUNK_BYTES = 1 << 18
 
 
+def check_digest_chunk(chunk: int) -> None:
+    """Chunks of whole 64-byte stripes (so every chunk starts on a word), long enough for XXH3's
+    long path: both backends' chunk_digests take no other."""
+    if chunk < 256 or chunk % 64:
+        raise ValueError("chunk_digests needs a chunk of at least 256 bytes and a multiple of 64")
+
+
+def xxh3_leaf(buffer) -> tuple[int, int]:
+    """XXH3-128 of a buffer as (low 64 bits, high 64 bits): one row of chunk_digests."""
+    import xxhash  # releases the GIL over large buffers: chunks hash side by side
+
+    value = xxhash.xxh3_128_intdigest(buffer)
+    return value & 0xFFFFFFFFFFFFFFFF, value >> 64
+
+
 def chunk_digests(data: np.ndarray, chunk: int = DIGEST_CHUNK_BYTES) -> np.ndarray:
     """XXH3-128 of each `chunk` bytes of the array's bytes (C order; the last chunk may be
     shorter), as rows of (low 64 bits, high 64 bits), uint64; no rows for an empty array."""
-    import xxhash  # releases the GIL over large buffers: chunks hash side by side
-
-    if chunk < 256 or chunk % 64:
-        raise ValueError("chunk_digests needs a chunk of at least 256 bytes and a multiple of 64")
+    check_digest_chunk(chunk)
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     m = -(-raw.size // chunk)
     out = np.empty((m, 2), np.uint64)
 
     def leaves(lo: int, hi: int) -> None:
         for c in range(lo, hi):
-            value = xxhash.xxh3_128_intdigest(raw[c * chunk:(c + 1) * chunk])
-            out[c, 0], out[c, 1] = value & 0xFFFFFFFFFFFFFFFF, value >> 64
+            out[c] = xxh3_leaf(raw[c * chunk:(c + 1) * chunk])
 
     parallel_map(leaves, chunk_ranges(m, min(m, num_threads())) if m else [])
     return out

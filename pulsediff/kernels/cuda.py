@@ -1298,7 +1298,8 @@ def ranked_window(part, shift: int, mask: int, seen, class_offsets, ranks, delta
 # --- word sums and in-place updates: patching live tensors -----------------------------
 
 # FORMAT.md §3.1's sum64, with kernels.cpu's constants (one definition of the format).
-from pulsediff.kernels.cpu import DIGEST_CHUNK_BYTES, WORD_SUM_M1, WORD_SUM_M2, WORD_SUM_PHI  # noqa: E402
+from pulsediff.kernels.cpu import (DIGEST_CHUNK_BYTES, WORD_SUM_M1, WORD_SUM_M2, WORD_SUM_PHI,  # noqa: E402
+                                  check_digest_chunk, xxh3_leaf)
 
 _PHI = np.uint64(WORD_SUM_PHI)
 _M1 = np.uint64(WORD_SUM_M1)
@@ -1429,8 +1430,9 @@ def add_at(out, positions, deltas):
 # (64 bytes that may start anywhere) is read byte by byte; lane 0 merges the accumulators.
 #
 # Byte budget: every byte of the array read once (four independent 8-byte loads per lane per
-# block, the next block's issued before this one's sums), 16 bytes written per chunk. Chunks of 240 bytes or less take XXH3's other
-# paths; only a tensor's last chunk can be that short, and its few bytes are hashed on the host.
+# block, the next block's issued before this one's sums), 16 bytes written per chunk. Chunks of
+# 240 bytes or less take XXH3's other paths; only a tensor's last chunk can be that short, and its
+# few bytes are hashed on the host.
 # Blocks are one warp, so that the block barrier is the warp's (and the simulator's) own.
 
 _XXH_SECRET = bytes.fromhex(  # XXH3's default secret (xxhash.h, XXH3_kSecret)
@@ -1571,24 +1573,21 @@ def chunk_digests(data, chunk: int = DIGEST_CHUNK_BYTES) -> np.ndarray:
     bytes, as host rows of (low, high) uint64. A device array is read where it lives; only a
     last chunk of at most 240 bytes comes to the host. Launch: one warp per block, up to
     MAX_BLOCKS blocks, each taking chunks grid-stride."""
-    import xxhash
-
-    if chunk < 256 or chunk % 64:
-        raise ValueError("chunk_digests needs a chunk of at least 256 bytes and a multiple of 64")
-    d = _bits(_arg(data))
+    check_digest_chunk(chunk)
+    d = _bits(_arg(data))  # on the device: a host array is copied over
     nbytes = d.size * np.dtype(d.dtype).itemsize
     m = -(-nbytes // chunk)
     if m == 0:
         return np.empty((0, 2), np.uint64)
-    on_device = is_device_array(d)
-    if on_device and _address(d)[1] % 8:
+    if _address(d)[1] % 8:
         copy = cuda.device_array(d.size, d.dtype)  # words need 8-byte alignment: an odd view is copied
         copy.copy_to_device(d)
         d = copy
-    raw = d.view(np.uint8) if on_device else np.ascontiguousarray(d).view(np.uint8)
+    raw = d.view(np.uint8)
     words = raw[:nbytes // 8 * 8].view(np.uint64)
+    short_tail = nbytes - (m - 1) * chunk <= _XXH_SHORT
     out = np.zeros((m, 2), np.uint64)
-    if nbytes - (m - 1) * chunk > _XXH_SHORT or m > 1:
+    if m > 1 or not short_tail:
         _, _, max_blocks = _launch_config()
         d_out = cuda.device_array((m, 2), np.uint64)
         if not _XXH_TABLES:
@@ -1596,11 +1595,8 @@ def chunk_digests(data, chunk: int = DIGEST_CHUNK_BYTES) -> np.ndarray:
         keys, init = _XXH_TABLES
         _chunk_xxh3[min(m, max_blocks), _WARP, 0, _WARP * 4 * 8](words, raw, nbytes, chunk, keys, init, d_out)
         out = d_out.copy_to_host()
-    tail = nbytes - (m - 1) * chunk
-    if tail <= _XXH_SHORT:
-        last = raw[(m - 1) * chunk:]
-        value = xxhash.xxh3_128_intdigest((last.copy_to_host() if on_device else last).tobytes())
-        out[m - 1, 0], out[m - 1, 1] = value & 0xFFFFFFFFFFFFFFFF, value >> 64
+    if short_tail:
+        out[m - 1] = xxh3_leaf(raw[(m - 1) * chunk:].copy_to_host().tobytes())
     return out
 
 
