@@ -111,6 +111,13 @@ class UnknownCodecError(InvalidPatchError):
         super().__init__(f"unknown codec {codec_id!r}; the patch needs a newer pulsediff")
 
 
+class UnknownSchemeError(InvalidPatchError):
+    def __init__(self, source: str, prefix: str):
+        self.prefix = prefix
+        super().__init__(f"patch {source} names its digests {prefix!r}, a scheme this pulsediff does not know; "
+                         "the patch needs a newer pulsediff")
+
+
 # --- series folders ---------------------------------------------------------
 
 

@@ -38,15 +38,17 @@ def main() -> None:
         sys.path.insert(0, str(args.tree))
     from pulsediff.errors import PulsediffError
     try:
-        from pulsediff.format.digest import checkpoint_digest
+        from pulsediff.format.digest import FLAT
         from pulsediff.series.catch_up import catch_up, plan_catch_up
+        empty = FLAT.empty
     except ImportError:  # a --tree from before the package was layered (issue 25)
         from pulsediff.digest import checkpoint_digest
         from pulsediff.series import catch_up, plan_catch_up
+        empty = checkpoint_digest([])
 
     for n in args.sizes:
         folder = Path(tempfile.mkdtemp())
-        fake_chain(folder, n, checkpoint_digest([]))
+        fake_chain(folder, n, empty)
         plan, fail = [], []
         for _ in range(3):
             t = time.perf_counter()

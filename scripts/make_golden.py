@@ -9,6 +9,7 @@ is that patches written by an old pulsediff keep applying, byte for byte.
     python scripts/make_golden.py tests/golden/v1.1    # format 1.1: layout digest, model folders
     python scripts/make_golden.py tests/golden/v1.2    # format 1.2: per-tensor word sums
     python scripts/make_golden.py tests/golden/v1.3    # format 1.3: codec ctx-ac
+    python scripts/make_golden.py tests/golden/v1.4    # format 1.4: tree tensor hashes (and one flat)
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ CODECS = ("gap-zstd", "ctx-rans", "ctx-ac")
 SINCE = {"ctx-ac": (1, 3)}  # codecs newer than format 1.0: no golden file of an older version has them
 
 
+def version_of(out: Path) -> tuple[int, int]:
+    return (tuple(int(x) for x in out.name.lstrip("v").split(".")) + (0,))[:2]
+
+
 def codecs_of(out: Path) -> tuple[str, ...]:
-    version = tuple(int(x) for x in out.name.lstrip("v").split(".")) + (0,)
-    return tuple(c for c in CODECS if version[:2] >= SINCE.get(c, (1, 0)))
+    return tuple(c for c in CODECS if version_of(out) >= SINCE.get(c, (1, 0)))
 
 
 def _write_once(path: Path, write) -> None:
@@ -48,11 +52,19 @@ def main(out: Path) -> None:
     w2.view(-1)[torch.from_numpy(rng.choice(w2.numel(), 30, replace=False))] += 1  # 1-ULP moves, as at RL lrs
     base = {"w": w, "f32": torch.randn(64, generator=g), "ids": torch.arange(6), "gone": torch.ones(2)}
     target = {"w": w2.view(torch.bfloat16), "f32": base["f32"] * 2, "ids": base["ids"], "added": torch.zeros(3, dtype=torch.float16)}
+    if version_of(out) >= (1, 4):
+        # Tree hashes (1.4) of more than one chunk: 280,000 bytes, a whole 256 KiB leaf and a short one.
+        big = torch.linspace(-2, 2, 140_000).bfloat16()
+        base["big"] = big
+        target["big"] = (big.view(torch.int16) + (torch.arange(140_000) % 97 == 5)).view(torch.bfloat16)
     _write_once(out / "base.safetensors", lambda p: save_file(base, str(p), metadata={"step": "0"}))
     _write_once(out / "target.safetensors", lambda p: save_file(target, str(p), metadata={"step": "1"}))
     for codec in codecs:
         _write_once(out / f"exact.{codec}.pulsediff", lambda p: make_patch(
             out / "base.safetensors", out / "target.safetensors", p, codec=codec, device="cpu"))
+    if version_of(out) >= (1, 4):  # a 1.4 writer's flat-hashed patch (make --digest flat) reads too
+        _write_once(out / "exact.ctx-rans.flat.pulsediff", lambda p: make_patch(
+            out / "base.safetensors", out / "target.safetensors", p, device="cpu", digest="flat"))
 
     m0 = torch.randn(32, 16, generator=g) * 0.02
     m1 = m0 + 1e-6 * torch.randn(32, 16, generator=g).sign()
@@ -71,6 +83,10 @@ def main(out: Path) -> None:
         expected[f"bf16.{codec}.pulsediff"] = {
             "base": "base32.safetensors", "target": "target32.as-bf16.safetensors",
             "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16")}
+    if version_of(out) >= (1, 4):
+        expected["exact.ctx-rans.flat.pulsediff"] = {
+            "base": "base.safetensors", "target": "target.safetensors",
+            "target_digest": checkpoint_digest_of(out / "target.safetensors", scheme="flat")}
     _folder_cases(out, g, expected, codecs)
     (out / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
 

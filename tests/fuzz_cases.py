@@ -1006,11 +1006,11 @@ def hidden(folder: Path) -> list[str]:
 def check_claims(out: Path, h: dict, blob: bytes | None, *, in_place: bool, receiver: bool) -> str | None:
     """Why the output at `out` is not what header `h` (with layout blob `blob`) says, or None."""
     from pulsediff.io.checkpoint import Checkpoint
-    from pulsediff.format.digest import TensorId, checkpoint_digest
+    from pulsediff.format.digest import TensorId, scheme_of
 
     try:
         claims = [TensorId(t["name"], t["dtype"], tuple(t["shape"]), t["target_hash"]) for t in h["tensors"]]
-        if checkpoint_digest(claims) != h["target"]["digest"]:
+        if scheme_of(h["target"]["digest"]).digest(claims) != h["target"]["digest"]:
             return "accepted a header whose tensors do not make its target digest"
     except Exception as exc:  # a header that apply accepted must at least be this well-formed
         return f"accepted a malformed header ({type(exc).__name__}: {exc})"
@@ -1136,9 +1136,11 @@ def edit_layout_headers(h: dict, edit) -> None:
 
 def retarget(h: dict) -> None:
     """target.digest recomputed from the tensor entries, so that a lie about them is told consistently."""
-    from pulsediff.format.digest import TensorId, checkpoint_digest
+    from pulsediff.format.digest import TREE, TensorId, is_digest, scheme_of
 
-    h["target"]["digest"] = checkpoint_digest(
+    digest = h["target"]["digest"]
+    scheme = scheme_of(digest) if is_digest(digest) else TREE
+    h["target"]["digest"] = scheme.digest(
         [TensorId(t["name"], t["dtype"], tuple(t["shape"]), t["target_hash"]) for t in h["tensors"]])
 
 
@@ -1565,7 +1567,8 @@ def case_manifest(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) 
     """A hostile manifest (and sometimes a hostile file under a plausible entry) given to catch-up."""
     from pulsediff.format.digest import is_digest
     from pulsediff.ops.inspect import checkpoint_digest_of
-    from pulsediff.format.manifest import EMPTY_DIGEST, MANIFEST, parse_manifest
+    from pulsediff.format.digest import EMPTY_DIGESTS
+    from pulsediff.format.manifest import MANIFEST, parse_manifest
     from pulsediff.series.catch_up import catch_up, plan_catch_up
 
     pub, train = corpus.path(corpus.pub), corpus.path(corpus.train)
@@ -1585,7 +1588,7 @@ def case_manifest(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) 
         for _ in range(rng.randint(1, 3)):
             e, other = rng.choice(obj["entries"]), rng.choice(obj["entries"])
             key = rng.choice(["step", "from_step", "base", "target", "file", "bytes", "target_bytes", "kind"])
-            e[key] = rng.choice([other.get(key), rng.randint(0, 9), rng.choice(digests), EMPTY_DIGEST,
+            e[key] = rng.choice([other.get(key), rng.randint(0, 9), rng.choice(digests), rng.choice(sorted(EMPTY_DIGESTS)),
                                  2**63, -1, None])
     elif mode < 0.85:  # a hostile file under an entry, its size updated or not
         e = rng.choice(obj["entries"])

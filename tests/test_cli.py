@@ -96,7 +96,7 @@ def test_digest_ignores_layout(tmp_path):
     one = save(tensors, tmp_path / "one.safetensors", metadata={"a": "b"})
     sharded = save_sharded(tensors, tmp_path / "sharded", 2)
     d1 = run("digest", one).stdout.decode().strip()
-    assert d1.startswith("xxh128:") and len(d1) == 7 + 32
+    assert d1.startswith("xxh3tree:") and len(d1) == 9 + 32
     assert run("digest", sharded).stdout.decode().strip() == d1
 
 
@@ -482,11 +482,13 @@ def test_help_names_no_python_types(command):
 
 def test_cli_choices_mirror_the_library():
     from pulsediff.io.checkpoint import PRECISIONS
-    from pulsediff.cli.options import CODECS, PRECISIONS as CLI_PRECISIONS
+    from pulsediff.cli.options import CODECS, DIGEST_SCHEMES, PRECISIONS as CLI_PRECISIONS
     from pulsediff.codecs import SPARSE_CODECS
+    from pulsediff.format.digest import DEFAULT_SCHEME, SCHEMES
 
     assert set(CODECS) == set(SPARSE_CODECS)
     assert CLI_PRECISIONS == PRECISIONS
+    assert set(DIGEST_SCHEMES) == set(SCHEMES) and DIGEST_SCHEMES[0] == DEFAULT_SCHEME.name
 
 
 def test_digest_help_says_what_it_prints(pair):

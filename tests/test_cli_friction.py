@@ -147,7 +147,7 @@ def test_applying_again_in_place_says_up_to_date_without_a_warning(pair, tmp_pat
     run("make", old, new, "-o", tmp_path / "p", "-q")
     run("apply", base, tmp_path / "p", "--in-place", "-q")
     proc = run("apply", base, tmp_path / "p", "--in-place")
-    assert proc.stderr.startswith(f"{base} is already up to date: it is the patch's target (xxh128:")
+    assert proc.stderr.startswith(f"{base} is already up to date: it is the patch's target (xxh3tree:")
     assert "warning" not in proc.stderr and "swapped" not in proc.stderr
     assert base.read_bytes() == new.read_bytes()
 
@@ -159,7 +159,7 @@ def test_dry_run_needs_no_output_and_does_not_say_applied(pair, tmp_path):
     run("make", old, new, "-o", tmp_path / "p", "-q")
     before = sorted(tmp_path.iterdir())
     proc = run("apply", old, tmp_path / "p", "-n")
-    assert proc.stderr.startswith("would rebuild the target (xxh128:") and "all checks passed" in proc.stderr
+    assert proc.stderr.startswith("would rebuild the target (xxh3tree:") and "all checks passed" in proc.stderr
     report = json.loads(run("apply", old, tmp_path / "p", "-n", "--json").stdout)
     assert report["dry_run"] is True and report["status"] == "would-apply" and report["output"] is None
     report = json.loads(run("apply", old, tmp_path / "p", "-o", tmp_path / "out", "-n", "--json").stdout)

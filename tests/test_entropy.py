@@ -523,12 +523,14 @@ def test_turns_run_each_step_in_index_order_whatever_order_the_tasks_come():
     assert order == [0, 1, 2, 3, 4, 6, 7] and errors == ["step 3"]
 
 
+@pytest.mark.parametrize("scheme", ["tree", "flat"])
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
-def test_diff_ranks_checked_matches_the_separate_passes(monkeypatch, fresh_pool, threads):
-    """The fused read gives diff_ranks' results, XXH3-128 of each side (fed in order, ranges
-    computed on several threads) and each side's word sum, bit for bit; ranges are cut small
-    here (4 KiB per side) so that each case spans several."""
-    from pulsediff.format.digest import tensor_hash, tensor_hasher
+def test_diff_ranks_checked_matches_the_separate_passes(monkeypatch, fresh_pool, threads, scheme):
+    """The fused read gives diff_ranks' results, each side's tensor hash under either scheme (fed
+    in order, ranges computed on several threads; 4 KiB pieces cut the tree's 256 KiB chunks) and
+    each side's word sum, bit for bit; ranges are cut small here (4 KiB per side) so that each
+    case spans several."""
+    from pulsediff.format.digest import SCHEMES
     from pulsediff.kernels.threads import pool
 
     from reference import word_sum_ref
@@ -538,30 +540,31 @@ def test_diff_ranks_checked_matches_the_separate_passes(monkeypatch, fresh_pool,
     assert pool()._max_workers == int(threads)
     for label, old, new in _checked_cases():
         shift, mask = {1: (3, 15), 2: (7, 255), 4: (23, 255), 8: (52, 2047)}[old.dtype.itemsize]
-        h_old, h_new = tensor_hasher(), tensor_hasher()
+        h_old, h_new = SCHEMES[scheme].hasher(), SCHEMES[scheme].hasher()
         zigzag, classes, ranks, old_sum, new_sum = cpu.diff_ranks_checked(old, new, shift, mask, h_old, h_new)
         want = cpu.diff_ranks(old, new, shift, mask)
         if old.size <= 4096:
             assert all(np.array_equal(a, b) for a, b in zip(want, diff_ranks_ref(old, new, shift, mask)))
         for got, expected in zip((zigzag, classes, ranks), want[:3]):
             assert got.dtype == expected.dtype and np.array_equal(got, expected), (label, old.dtype, old.size)
-        assert (h_old.hexdigest(), h_new.hexdigest()) == (tensor_hash(old), tensor_hash(new)), (label, old.size)
+        hashes = (SCHEMES[scheme].tensor_hash(old), SCHEMES[scheme].tensor_hash(new))
+        assert (h_old.hexdigest(), h_new.hexdigest()) == hashes, (label, old.size)
         assert (old_sum, new_sum) == (word_sum_ref(old), word_sum_ref(new)), (label, old.dtype, old.size)
 
 
 def test_diff_ranks_checked_reads_views_in_c_order():
     """A view that is not contiguous is hashed and summed as its bytes in C order (as
-    tensor_hash and word_sum take it)."""
-    from pulsediff.format.digest import tensor_hash, tensor_hasher
+    tensor hashes and word_sum take it)."""
+    from pulsediff.format.digest import TREE
 
     rng = np.random.default_rng(3)
     old = rng.integers(0, 1 << 16, (64, 96), dtype=np.uint16)[:, ::3]
     new = old.copy()
     new[5, 7] += 1
-    h_old, h_new = tensor_hasher(), tensor_hasher()
+    h_old, h_new = TREE.hasher(), TREE.hasher()
     zigzag, _, _, old_sum, new_sum = cpu.diff_ranks_checked(old, new, 7, 255, h_old, h_new)
-    assert zigzag.size == 1 and h_old.hexdigest() == tensor_hash(np.ascontiguousarray(old))
-    assert h_new.hexdigest() == tensor_hash(new) and (old_sum, new_sum) == (cpu.word_sum(old), cpu.word_sum(new))
+    assert zigzag.size == 1 and h_old.hexdigest() == TREE.tensor_hash(np.ascontiguousarray(old))
+    assert h_new.hexdigest() == TREE.tensor_hash(new) and (old_sum, new_sum) == (cpu.word_sum(old), cpu.word_sum(new))
 
 
 def test_diff_ranks_checked_fails_whole_and_waits_for_no_one(monkeypatch, fresh_pool):

@@ -33,6 +33,8 @@ def test_golden_patch_applies(tmp_path, folder, patch, spec, device):
     out = tmp_path / ("out" if target.is_dir() else "out.safetensors")
     header = read_patch_header(folder / patch)
     assert header.target_digest == spec["target_digest"]
+    # Today's hashing of the target, under the patch's scheme, is what the old writer recorded.
+    assert checkpoint_digest_of(target, header.precision, scheme=header.scheme) == spec["target_digest"]
     apply_patch(folder / spec["base"], folder / patch, out, device=device)
     assert checkpoint_digest_of(out) == checkpoint_digest_of(target)
     if target.is_dir():  # every file of the folder, config and tokenizer included, byte for byte

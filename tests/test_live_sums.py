@@ -58,17 +58,21 @@ def test_word_sums_in_the_patch_are_those_of_the_tensors():
     assert {r.op for r in header.tensors} >= {"same", "patch"}
 
 
-def test_tensor_checks_block_by_block_equal_the_references():
-    """make's hash and word sum taken in cache-sized blocks: sizes around the block edge, tails."""
-    from pulsediff.format.digest import _CHECK_BLOCK, tensor_checks, tensor_hash
+@pytest.mark.parametrize("scheme", ["tree", "flat"])
+def test_tensor_checks_block_by_block_equal_the_references(scheme):
+    """make's hash and word sum taken in cache-sized blocks (the tree's chunks): sizes around the
+    block edge, tails; the hash as the scheme takes it alone, the sum as the reference."""
+    from pulsediff.format.digest import _CHECK_BLOCK, SCHEMES
+
+    scheme = SCHEMES[scheme]
 
     rng = np.random.default_rng(13)
     for nbytes in (0, 5, 8, _CHECK_BLOCK - 3, _CHECK_BLOCK, _CHECK_BLOCK + 8, 2 * _CHECK_BLOCK + 7):
         for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
             n = nbytes // np.dtype(dtype).itemsize
             a = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
-            digest, word_sum = tensor_checks(a)
-            assert digest == tensor_hash(a) and int(word_sum, 16) == word_sum_ref(a)
+            digest, word_sum = scheme.checks(a)
+            assert digest == scheme.tensor_hash(a) and int(word_sum, 16) == word_sum_ref(a)
 
 
 @pytest.mark.parametrize("codec", ["ctx-rans", "ctx-ac", "gap-zstd"])

@@ -24,7 +24,8 @@ from ckpt_factory import mutate, random_tensor, save, save_series
 from pulsediff.io.atomic import TMP_SUFFIX, remove_stale_temporaries, temp_prefix
 from pulsediff.errors import InvalidManifestError, PulsediffError
 from pulsediff.ops.inspect import checkpoint_digest_of
-from pulsediff.format.manifest import EMPTY_DIGEST, MANIFEST, Manifest, parse_manifest
+from pulsediff.format.digest import FLAT, TREE
+from pulsediff.format.manifest import MANIFEST, Manifest, parse_manifest
 from pulsediff.series.steps import DEFAULT_STEP_PATTERN, step_in_name
 from pulsediff.series.catch_up import catch_up, plan_catch_up
 from pulsediff.series.publish import publish_once
@@ -106,14 +107,17 @@ HOSTILE = {
     "lone surrogate in file": lambda pub: edited(pub, set_field(1, "file", "p\ud800.pulsediff")),  # crashed --keep
     "file name too long": lambda pub: edited(pub, set_field(1, "file", "p" * 300 + ".pulsediff")),
     "file listed twice": lambda pub: edited(pub, lambda o: o["entries"][2].update(file=o["entries"][1]["file"])),
-    "bad digest": lambda pub: edited(pub, set_field(1, "target", "xxh128:nothex")),
+    "bad digest": lambda pub: edited(pub, set_field(1, "target", "xxh3tree:nothex")),
     "two digests for a step": lambda pub: edited(pub, lambda o: o["entries"].append(
-        {**o["entries"][0], "file": "anchor-x.pulsediff", "target": "xxh128:" + "0" * 32})),
-    "base not the from_step's": lambda pub: edited(pub, lambda o: o["entries"][1].update(base="xxh128:" + "1" * 32)),
+        {**o["entries"][0], "file": "anchor-x.pulsediff", "target": "xxh3tree:" + "0" * 32})),
+    "base not the from_step's": lambda pub: edited(pub, lambda o: o["entries"][1].update(base="xxh3tree:" + "1" * 32)),
+    # A chain never crosses schemes (format 1.4): the same weights have another digest under each.
+    "digests of two schemes": lambda pub: edited(pub, lambda o: o["entries"][1].update(
+        base=FLAT.prefix + o["entries"][1]["base"].split(":")[1], target=FLAT.prefix + o["entries"][1]["target"].split(":")[1])),
     "duplicate key": lambda pub: (pub / MANIFEST).read_bytes().replace(b'"version": 1', b'"version": 1, "version": 1', 1),
     "not utf-8": lambda pub: b'{"version": 1, "precision": "\xff"}',
     "unknown precision": lambda pub: edited(pub, lambda o: o.update(precision="fp8")),
-    "empty checkpoint as a step": lambda pub: edited(pub, set_field(0, "target", EMPTY_DIGEST)),
+    "empty checkpoint as a step": lambda pub: edited(pub, set_field(0, "target", TREE.empty)),
     "millions of objects": lambda pub: b'{"junk": [' + b"{}," * 300_000 + b'{}], "version": 1}',
 }
 
@@ -193,7 +197,7 @@ def test_entry_moved_to_another_step_is_caught(series, tmp_path):
     for e in obj["entries"]:
         if e["step"] == 6:
             e["step"] = 7
-            e["target"] = "xxh128:" + "2" * 32
+            e["target"] = "xxh3tree:" + "2" * 32
     write_manifest(folder, obj)
     worker = tmp_path / "w.safetensors"
     worker.write_bytes(ckpt(train, 5).read_bytes())
@@ -220,7 +224,7 @@ def test_mutated_manifests_never_report_a_step_they_did_not_rebuild(series, tmp_
             e = rng.choice(obj["entries"])
             key = rng.choice(["step", "from_step", "base", "target", "file", "bytes", "target_bytes"])
             other = rng.choice(obj["entries"])
-            e[key] = rng.choice([other[key], rng.randint(0, STEPS + 2), rng.choice(digests), EMPTY_DIGEST])
+            e[key] = rng.choice([other[key], rng.randint(0, STEPS + 2), rng.choice(digests), TREE.empty])
         (folder / MANIFEST).unlink()
         write_manifest(folder, obj)
         start = rng.randint(0, STEPS - 1)
@@ -294,7 +298,7 @@ def fake_chain_manifest(folder: Path, n: int, *, missing_every: int = 1) -> list
     """n one-step patches after an anchor, with made-up digests; files exist for none of them."""
     digest = [f"xxh128:{i:032x}" for i in range(n + 1)]
     entries = [{"kind": "anchor", "file": "anchor-00000000.pulsediff", "step": 0, "from_step": None,
-                "base": EMPTY_DIGEST, "target": digest[0], "bytes": 1000, "target_bytes": 1000}]
+                "base": FLAT.empty, "target": digest[0], "bytes": 1000, "target_bytes": 1000}]
     for i in range(1, n + 1):
         entries.append({"kind": "patch", "file": f"patch-{i - 1:08d}-{i:08d}.pulsediff", "step": i, "from_step": i - 1,
                         "base": digest[i - 1], "target": digest[i], "bytes": 10, "target_bytes": 1000})
@@ -335,7 +339,7 @@ def test_20000_entries_with_missing_files_fail_fast(tmp_path):
 
 def test_negative_cost_cycle_is_refused_not_looped(tmp_path):
     a, b = "xxh128:" + "a" * 32, "xxh128:" + "b" * 32
-    entries = [{"kind": "anchor", "file": "anchor-1.pulsediff", "step": 1, "from_step": None, "base": EMPTY_DIGEST,
+    entries = [{"kind": "anchor", "file": "anchor-1.pulsediff", "step": 1, "from_step": None, "base": FLAT.empty,
                 "target": a, "bytes": 10, "target_bytes": 10},
                {"kind": "patch", "file": "p-1-2.pulsediff", "step": 2, "from_step": 1, "base": a, "target": b,
                 "bytes": -100, "target_bytes": 10},

@@ -28,6 +28,14 @@ Codec = Annotated[
                  "base-relative values), ctx-ac (the same coded adaptively per exponent class: 10-16% smaller, "
                  "decodes slower; format 1.3 readers) or gap-zstd (the PULSESync paper's)."),
 ]
+# Mirrors pulsediff.format.digest.SCHEMES (tests/test_cli.py checks they agree).
+DIGEST_SCHEMES = ("tree", "flat")
+DigestSchemeOption = Annotated[
+    Literal["tree", "flat"],
+    typer.Option("--digest", metavar="SCHEME", help="How tensors are hashed: tree (the default; hashed in parallel "
+                 "chunks, on a GPU where the tensors are) or flat (one hash per tensor, as before format 1.4: "
+                 "for appliers older than pulsediff's format 1.4)."),
+]
 Precision = Annotated[
     Literal["exact", "bf16"],
     typer.Option(

@@ -1,15 +1,24 @@
-"""Tensor hashes and checkpoint digests.
+"""Tensor hashes and checkpoint digests, under one of two schemes.
 
 A checkpoint's digest identifies its tensors (names, dtypes, shapes and bytes)
 and nothing of its file layout, so that the same weights saved by any tool, in
 one file or in shards, have the same digest. Under `--precision bf16` the
 tensors are those seen through the BF16 cast.
 
-    tensor hash  = XXH3-128 of the tensor's bytes (little-endian elements)
-    digest       = XXH3-128 over, for each tensor in byte order of its UTF-8 name:
-                   u32 len(name) | name | u32 len(dtype) | dtype | u32 ndim |
-                   u64 dims... | 16-byte tensor hash
-                   shown as "xxh128:" + 32 lowercase hex digits
+    tensor hash, tree (1.4) = XXH3-128 over u64 LE byte length || each 256 KiB chunk's
+                              XXH3-128 (16 bytes, canonical)
+    tensor hash, flat       = XXH3-128 of the tensor's bytes (little-endian elements)
+    digest                  = XXH3-128 over, for each tensor in byte order of its UTF-8 name:
+                              u32 len(name) | name | u32 len(dtype) | dtype | u32 ndim |
+                              u64 dims... | 16-byte tensor hash
+                              shown as the scheme's prefix ("xxh3tree:" or "xxh128:") + 32 hex digits
+
+The digest's prefix names the scheme its tensor hashes were taken under (FORMAT.md §3): a
+patch's tensor records use its digests' scheme, and a series keeps the scheme it started with.
+The tree is the default since format 1.4 (issue 32): its chunks are hashed side by side, by the
+CPU's threads or by a GPU where the tensor lives (kernels' chunk_digests), so a tensor on a GPU
+is hashed without crossing to the host. The flat hash is what 1.0-1.3 wrote; patches and series
+made with it keep applying and growing under it.
 
 XXH3 is not cryptographic: digests catch mistakes and damage (wrong base,
 flipped bits), not an attacker who controls both patch and checkpoint.
@@ -30,14 +39,8 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
-DIGEST_PREFIX = "xxh128:"
-
-
-def tensor_hash(bits: np.ndarray) -> str:
-    """Hex XXH3-128 of a tensor's bytes."""
-    if bits.size == 0:
-        return xxhash.xxh3_128_hexdigest(b"")
-    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(bits).view(np.uint8))
+# Bytes per leaf of the tree hash; FORMAT.md §3 fixes it (kernels.cpu.DIGEST_CHUNK_BYTES is the same).
+TREE_CHUNK_BYTES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -45,27 +48,163 @@ class TensorId:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    hash: str  # hex tensor hash
+    hash: str  # hex tensor hash, under the scheme of the digest it goes into
 
 
-def checkpoint_digest(tensors: Iterable[TensorId]) -> str:
+def _raw(bits) -> np.ndarray:
+    """A numpy array's bytes in C order, as a flat uint8 view (a copy only when not contiguous)."""
+    return np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
+
+
+class TreeHasher:
+    """The tree hash taken piece by piece: `update(buffer)` in order, then `hexdigest()`. Whole
+    chunks of a piece are hashed straight from it; a chunk split across pieces is carried."""
+
+    def __init__(self, chunk: int = TREE_CHUNK_BYTES):
+        self._chunk = chunk
+        self._leaves: list[bytes] = []
+        self._partial = xxhash.xxh3_128()
+        self._partial_len = 0
+        self._nbytes = 0
+
+    def update(self, data) -> None:
+        raw = _raw(np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data)
+        n, at, chunk = raw.size, 0, self._chunk
+        self._nbytes += n
+        if self._partial_len:
+            at = min(n, chunk - self._partial_len)
+            self._partial.update(raw[:at])
+            self._partial_len += at
+            if self._partial_len == chunk:
+                self._leaves.append(self._partial.digest())
+                self._partial, self._partial_len = xxhash.xxh3_128(), 0
+        while n - at >= chunk:
+            self._leaves.append(xxhash.xxh3_128_digest(raw[at:at + chunk]))
+            at += chunk
+        if at < n:
+            self._partial.update(raw[at:])
+            self._partial_len += n - at
+
+    def hexdigest(self) -> str:
+        tail = [self._partial.digest()] if self._partial_len else []
+        return tree_root(self._nbytes, b"".join(self._leaves + tail))
+
+
+def tree_root(nbytes: int, leaves: bytes) -> str:
+    """The tree hash from the tensor's byte length and its chunks' canonical XXH3-128s in order."""
+    h = xxhash.xxh3_128(struct.pack("<Q", nbytes))
+    h.update(leaves)
+    return h.hexdigest()
+
+
+def tree_hash(bits, backend=None, chunk: int | None = None) -> str:
+    """A tensor's tree hash, its chunks hashed by `backend`'s chunk_digests (kernels.cpu by
+    default, across its threads; kernels.cuda reads a device array in place). `chunk`: another
+    chunk size, for tests."""
+    from pulsediff.kernels import cpu
+
+    backend = backend or cpu
+    return _root_of_rows(bits.nbytes, backend.chunk_digests(bits, chunk or TREE_CHUNK_BYTES))
+
+
+def _root_of_rows(nbytes: int, rows) -> str:
+    """tree_root from chunk_digests' rows of (low 64 bits, high 64 bits); the canonical form of a
+    leaf is high then low, big-endian."""
+    leaves = np.asarray(rows, np.uint64).reshape(-1, 2)
+    return tree_root(nbytes, np.ascontiguousarray(leaves[:, ::-1]).astype(">u8").tobytes())
+
+
+def _flat_hash(bits) -> str:
+    if bits.size == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    return xxhash.xxh3_128_hexdigest(_raw(bits))
+
+
+_CHECK_BLOCK = TREE_CHUNK_BYTES  # bytes hashed and summed in turn: a block stays in cache for the second pass
+
+
+def _flat_checks(bits) -> tuple[str, str]:
+    from pulsediff.kernels.cpu import word_sum_part
+
+    raw = _raw(bits)
     h = xxhash.xxh3_128()
-    for t in sorted(tensors, key=lambda t: t.name.encode("utf-8")):
-        name = t.name.encode("utf-8")
-        dtype = t.dtype.encode("ascii")
-        h.update(struct.pack("<I", len(name)) + name + struct.pack("<I", len(dtype)) + dtype)
-        h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
-        h.update(bytes.fromhex(t.hash))
-    return DIGEST_PREFIX + h.hexdigest()
+    total = 0
+    for lo in range(0, raw.size, _CHECK_BLOCK):
+        h.update(raw[lo:lo + _CHECK_BLOCK])
+        total += word_sum_part(raw, lo, lo + _CHECK_BLOCK)
+    return h.hexdigest(), format_word_sum(total & 0xFFFFFFFFFFFFFFFF)
 
 
-_DIGEST = re.compile(re.escape(DIGEST_PREFIX) + "[0-9a-f]{32}")
+def _tree_checks(bits) -> tuple[str, str]:
+    from pulsediff.kernels.cpu import chunk_checks
+
+    # Each chunk summed right after its leaf is hashed, from cache; chunks across the threads.
+    rows, total = chunk_checks(bits, TREE_CHUNK_BYTES)
+    return _root_of_rows(bits.nbytes, rows), format_word_sum(total)
+
+
+@dataclass(frozen=True)
+class DigestScheme:
+    """How tensor hashes are taken, and the prefix that names it on every digest."""
+
+    name: str  # "tree" or "flat", as make's --digest takes it
+    prefix: str
+
+    @property
+    def tree(self) -> bool:
+        return self.name == "tree"
+
+    def tensor_hash(self, bits) -> str:
+        """Hex hash of a tensor's bytes (a numpy array; C order)."""
+        return tree_hash(bits) if self.tree else _flat_hash(bits)
+
+    def hasher(self):
+        """The tensor hash taken piece by piece: `update(buffer)` in order, then `hexdigest()`
+        (for a compare that reads the tensor anyway)."""
+        return TreeHasher() if self.tree else xxhash.xxh3_128()
+
+    def checks(self, bits) -> tuple[str, str]:
+        """A tensor's hash and its word sum (FORMAT.md §3.1), both as hex: what a patch records
+        for each base and target tensor."""
+        return _tree_checks(bits) if self.tree else _flat_checks(bits)
+
+    def digest(self, tensors: Iterable[TensorId]) -> str:
+        h = xxhash.xxh3_128()
+        for t in sorted(tensors, key=lambda t: t.name.encode("utf-8")):
+            name = t.name.encode("utf-8")
+            dtype = t.dtype.encode("ascii")
+            h.update(struct.pack("<I", len(name)) + name + struct.pack("<I", len(dtype)) + dtype)
+            h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
+            h.update(bytes.fromhex(t.hash))
+        return self.prefix + h.hexdigest()
+
+    @property
+    def empty(self) -> str:
+        """The digest of the checkpoint without tensors (an anchor's base)."""
+        return self.digest([])
+
+
+TREE = DigestScheme("tree", "xxh3tree:")
+FLAT = DigestScheme("flat", "xxh128:")
+SCHEMES = {s.name: s for s in (TREE, FLAT)}
+DEFAULT_SCHEME = TREE
+EMPTY_DIGESTS = frozenset(s.empty for s in SCHEMES.values())
+
+_DIGEST = re.compile("(" + "|".join(re.escape(s.prefix) for s in SCHEMES.values()) + ")[0-9a-f]{32}")
 _TENSOR_HASH = re.compile("[0-9a-f]{32}")
 _WORD_SUM = re.compile("[0-9a-f]{16}")
 
 
 def is_digest(value: object) -> bool:
     return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+def scheme_of(digest: str) -> DigestScheme:
+    """The scheme a well-formed digest (is_digest) was taken under."""
+    for scheme in SCHEMES.values():
+        if digest.startswith(scheme.prefix):
+            return scheme
+    raise ValueError(f"{digest!r} is not a digest")
 
 
 def is_tensor_hash(value: object) -> bool:
@@ -78,45 +217,3 @@ def is_word_sum(value: object) -> bool:
 
 def format_word_sum(value: int) -> str:
     return f"{value:016x}"
-
-
-def tensor_hasher():
-    """A tensor hash taken piece by piece: `update(bytes)` in order, then `hexdigest()` is
-    tensor_hash of all of them (for a compare that reads the tensor anyway)."""
-    return xxhash.xxh3_128()
-
-
-def tree_hash(bits: np.ndarray, backend=None, chunk: int | None = None) -> str:
-    """A tensor's hash as a tree, which a GPU computes where the tensor lives: XXH3-128 over the
-    tensor's byte length (u64, little-endian) and then each 256 KiB chunk's XXH3-128 (16 bytes,
-    canonical: high half first, big-endian), as hex. The chunks come from `backend`'s
-    chunk_digests (kernels.cpu by default; kernels.cuda reads a device array in place).
-
-    Not yet in any format version: it is the per-tensor hash planned for format 1.4 (issue 32),
-    whose tensor records and digests will use it; today's patches use tensor_hash. `chunk`:
-    another chunk size, for tests."""
-    from pulsediff.kernels import cpu
-
-    backend = backend or cpu
-    leaves = np.asarray(backend.chunk_digests(bits, chunk or cpu.DIGEST_CHUNK_BYTES), np.uint64).reshape(-1, 2)
-    h = xxhash.xxh3_128(struct.pack("<Q", bits.nbytes))  # numpy, Numba's device arrays and torch alike
-    h.update(np.ascontiguousarray(leaves[:, ::-1]).astype(">u8").tobytes())
-    return h.hexdigest()
-
-
-_CHECK_BLOCK = 1 << 18  # bytes hashed and summed in turn: a block stays in cache for the second pass
-
-
-def tensor_checks(bits: np.ndarray) -> tuple[str, str]:
-    """A tensor's XXH3-128 hash and its word sum (FORMAT.md §3.1), both as hex: what a
-    patch records for each base and target tensor. Taken block by block, so the sum reads
-    from cache what the hash just read from memory (27% less time than two whole passes)."""
-    from pulsediff.kernels.cpu import word_sum_part
-
-    raw = np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
-    h = xxhash.xxh3_128()
-    total = 0
-    for lo in range(0, raw.size, _CHECK_BLOCK):
-        h.update(raw[lo:lo + _CHECK_BLOCK])
-        total += word_sum_part(raw, lo, lo + _CHECK_BLOCK)
-    return h.hexdigest(), format_word_sum(total & 0xFFFFFFFFFFFFFFFF)

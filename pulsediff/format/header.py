@@ -8,16 +8,19 @@ the code can trust it. `to_json` is its exact inverse.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
 from pulsediff.codecs import get_codec
-from pulsediff.format.digest import TensorId, checkpoint_digest, is_digest, is_tensor_hash, is_word_sum
+from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, is_digest, is_tensor_hash, is_word_sum, scheme_of
 from pulsediff.io.dtypes import DType, lookup
-from pulsediff.errors import CorruptPatchError
+from pulsediff.errors import CorruptPatchError, UnknownSchemeError
 from pulsediff.io.folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
 from pulsediff.format.container import MAX_NAME_BYTES, MAX_NDIM, MAX_SECTION_BYTES, MAX_TENSORS, SectionRef
 
+# A digest of a scheme a later version may add: a name, a colon, 32 hex digits (FORMAT.md §3).
+_UNKNOWN_SCHEME = re.compile(r"([a-z][a-z0-9]{0,15}:)[0-9a-f]{32}")
 OPS = ("same", "patch", "full")  # copy the base tensor / decode against it / carried whole
 LAYOUT_KINDS = ("file", "dir")
 LAYOUT_CODEC = "zstd"  # the layout blob is one zstd frame of `Layout.blob_len` bytes
@@ -38,6 +41,8 @@ class TensorRecord:
     # Format 1.2 (§3.1): word sums, the check a live apply can afford on a GPU. None in older patches.
     target_sum: str | None = None
     base_sum: str | None = None  # with base_hash
+    # How both hashes were taken: the patch's digests' scheme (not written: the header's digests say it).
+    scheme: DigestScheme = DEFAULT_SCHEME
 
     @property
     def numel(self) -> int:
@@ -124,6 +129,11 @@ class PatchHeader:
     removed_files: tuple[str, ...] = field(default=())  # format 1.1: base folder files the target lacks
 
     @property
+    def scheme(self) -> DigestScheme:
+        """How the tensor hashes of this patch were taken (its digests' prefix; both share it)."""
+        return scheme_of(self.target_digest)
+
+    @property
     def sections_length(self) -> int:
         refs = self.section_refs()
         return refs[-1].offset + refs[-1].length
@@ -193,9 +203,16 @@ class _Parser:
         target = self.get(obj, "target", dict, "")
         base_digest = self.get(base, "digest", str, "base")
         target_digest = self.get(target, "digest", str, "target")
-        if not (is_digest(base_digest) and is_digest(target_digest)):
-            raise self.fail("digest is malformed")
-        tensors = tuple(self.tensor(t, i) for i, t in enumerate(self.list(obj, "tensors", MAX_TENSORS)))
+        for digest in (base_digest, target_digest):
+            if not is_digest(digest):
+                unknown = _UNKNOWN_SCHEME.fullmatch(digest)
+                if unknown:  # a later version's hashes: not damage, and not a wrong base either
+                    raise UnknownSchemeError(self.source, unknown.group(1))
+                raise self.fail("digest is malformed")
+        if scheme_of(base_digest) != scheme_of(target_digest):
+            raise self.fail("base.digest and target.digest are of different schemes")
+        scheme = scheme_of(target_digest)
+        tensors = tuple(self.tensor(t, i, scheme) for i, t in enumerate(self.list(obj, "tensors", MAX_TENSORS)))
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise self.fail("tensors names a tensor twice")
@@ -203,7 +220,7 @@ class _Parser:
             raise self.fail("tensors carry word sums for some tensors only")
         # The target digest is the digest of these entries (§3): one that is not names another checkpoint
         # than the entries rebuild (squash wrote such a patch, then failed an assertion).
-        if checkpoint_digest(TensorId(t.name, t.dtype.name, t.shape, t.target_hash) for t in tensors) != target_digest:
+        if scheme.digest(TensorId(t.name, t.dtype.name, t.shape, t.target_hash) for t in tensors) != target_digest:
             raise self.fail("target.digest is not the digest of the tensor entries")
         removed = tuple(self.name(n, "removed") for n in self.list(obj, "removed", MAX_TENSORS))
         layout = self.layout(self.get(obj, "layout", dict, ""), len(tensors))
@@ -239,7 +256,7 @@ class _Parser:
             raise self.fail(f"{where} has an invalid tensor name")
         return value
 
-    def tensor(self, obj, i: int) -> TensorRecord:
+    def tensor(self, obj, i: int, scheme: DigestScheme) -> TensorRecord:
         where = f"tensors[{i}]"
         name = self.name(self.get(obj, "name", str, where), where)
         dtype = lookup(self.get(obj, "dtype", str, where))
@@ -273,7 +290,7 @@ class _Parser:
             if not 0 <= codec.index_bytes(section.params) <= section.length:
                 raise self.fail(f"{where}: the codec's index size is invalid")
         return TensorRecord(name, dtype, tuple(shape), op, changed, target_hash, base_hash if op != "full" else None,
-                            section, target_sum, base_sum)
+                            section, target_sum, base_sum, scheme)
 
     def word_sums(self, obj: dict, where: str, op: str) -> tuple[str | None, str | None]:
         """Format 1.2's target_sum and base_sum (§3.1): both or neither; no base_sum for a tensor

@@ -37,12 +37,11 @@ from pathlib import Path
 from pulsediff.io import strict_json
 from pulsediff.io.atomic import StagedFiles
 from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
-from pulsediff.format.digest import checkpoint_digest, is_digest
+from pulsediff.format.digest import DEFAULT_SCHEME, EMPTY_DIGESTS, DigestScheme, is_digest, scheme_of
 from pulsediff.errors import InvalidManifestError, OutsideLinkError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-EMPTY_DIGEST = checkpoint_digest([])
 PATCH_SUFFIX = ".pulsediff"
 KINDS = ("patch", "anchor")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # ~200,000 entries of ~300 bytes
@@ -121,6 +120,12 @@ class Manifest:
             with staged.open(Path(folder) / MANIFEST) as f:
                 f.write(self.to_bytes())
             staged.commit()
+
+    @property
+    def scheme(self) -> DigestScheme:
+        """The digest scheme of the series' entries (they share one); the default for a series
+        without entries yet."""
+        return scheme_of(self.entries[0].target) if self.entries else DEFAULT_SCHEME
 
     @property
     def newest(self) -> Entry | None:
@@ -248,9 +253,11 @@ def _entry(e: object, i: int, fail) -> Entry:
     base, target = e.get("base"), e.get("target")
     if not (is_digest(base) and is_digest(target)):
         raise fail(f"{where} has a malformed digest")
-    if kind == "anchor" and base != EMPTY_DIGEST:
+    if scheme_of(base) != scheme_of(target):
+        raise fail(f"{where} has digests of two schemes")
+    if kind == "anchor" and base != scheme_of(base).empty:
         raise fail(f"{where} is an anchor whose base is not the empty checkpoint")
-    if target == EMPTY_DIGEST:
+    if target in EMPTY_DIGESTS:
         raise fail(f"{where} has the empty checkpoint (no tensors) as its target")
     sha256 = e.get("sha256")
     if sha256 is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256)):
@@ -263,6 +270,8 @@ def _entry(e: object, i: int, fail) -> Entry:
 def _check_relations(entries: list[Entry], fail) -> None:
     files: set[str] = set()
     digest_at: dict[int, str] = {}
+    if len({scheme_of(e.target) for e in entries}) > 1:  # a chain never crosses schemes: its digests differ
+        raise fail("entries have digests of more than one scheme")
     for e in entries:
         if e.file in files:
             raise fail(f"{e.file} is listed twice")
@@ -316,7 +325,7 @@ def cheapest_paths(entries: list[Entry], have: str | None, drop: set[str] = froz
     for e in entries:
         if e.file not in drop and e.base != e.target:
             edges.setdefault(e.base, []).append(e)
-    starts = sorted({EMPTY_DIGEST} | ({have} if have else set()))
+    starts = sorted(EMPTY_DIGESTS | ({have} if have else set()))
     cost = {d: 0 for d in starts}
     via: dict[str, Entry] = {}
     queue = [(0, i, d) for i, d in enumerate(starts)]

@@ -26,7 +26,7 @@ from pulsediff.codecs.base import Scratch, SectionContext, zstd_decompress_exact
 from pulsediff.errors import (BaseFileMismatchError, BaseMismatchError, ChainError, CorruptPatchError,
                               InvalidPatchError, PulsediffError, TargetMismatchError, TensorMismatchError, UsageError,
                               refuse_existing, refuse_folder_for_file)
-from pulsediff.format.digest import TensorId, checkpoint_digest
+from pulsediff.format.digest import TensorId
 from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
 from pulsediff.format.patch_file import Link, check_file_header, open_chain, read_layout
 from pulsediff.io.atomic import StagedFiles
@@ -197,8 +197,8 @@ def _apply(base, patches, out, in_place, device, progress, dry_run, force, expec
                 speculation.check = base_check
             if not speculate:
                 if base_ids is None:
-                    base_ids = tensor_ids(view, progress)
-                digest = checkpoint_digest(base_ids.values())
+                    base_ids = tensor_ids(view, progress, first.scheme)
+                digest = first.scheme.digest(base_ids.values())
                 base_is_out = base is not None and out_path is not None and out_path.resolve() == Path(base).resolve()
                 base_is_target = digest == final.target_digest
                 if base_is_target:
@@ -311,8 +311,8 @@ def _already_target(out_path: Path, header: PatchHeader) -> bool:
         return False
     try:
         with Checkpoint(out_path) as existing:
-            ids = tensor_ids(TensorView(existing, header.precision))
-            return checkpoint_digest(ids.values()) == header.target_digest
+            ids = tensor_ids(TensorView(existing, header.precision), scheme=header.scheme)
+            return header.scheme.digest(ids.values()) == header.target_digest
     except PulsediffError:
         return False
 
@@ -688,8 +688,8 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
                 with staged.open(out_path / rec.name) as f:
                     f.write(data)
         before_commit()
-        if checkpoint_digest(rebuilt) != header.target_digest:
-            raise TargetMismatchError(header.target_digest, checkpoint_digest(rebuilt))
+        if header.scheme.digest(rebuilt) != header.target_digest:
+            raise TargetMismatchError(header.target_digest, header.scheme.digest(rebuilt))
         for path in files.stale:
             staged.remove_at_commit(path)
         staged.commit()

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from pulsediff.io.checkpoint import PRECISIONS, Checkpoint, TensorView
-from pulsediff.format.digest import TensorId, checkpoint_digest, tensor_hash
+from pulsediff.format.digest import DEFAULT_SCHEME, SCHEMES, DigestScheme, TensorId
 from pulsediff.errors import UsageError
 from pulsediff.runtime.progress import SILENT, Progress
 
 
-def tensor_ids(view: TensorView, progress: Progress = SILENT) -> dict[str, TensorId]:
-    """Name, dtype, shape and hash of every tensor as the view sees it."""
+def tensor_ids(view: TensorView, progress: Progress = SILENT,
+               scheme: DigestScheme = DEFAULT_SCHEME) -> dict[str, TensorId]:
+    """Name, dtype, shape and hash (under `scheme`) of every tensor as the view sees it."""
     from pulsediff.kernels.threads import num_threads, parallel_map
 
     ckpt = view.ckpt
@@ -21,16 +22,28 @@ def tensor_ids(view: TensorView, progress: Progress = SILENT) -> dict[str, Tenso
     batch = num_threads()  # tensors hashed at once (XXH3 releases the GIL); casts keep a batch in memory
     for first in range(0, len(names), batch):
         tensors = [view.get(name) for name in names[first:first + batch]]
-        for t, digest in zip(tensors, parallel_map(tensor_hash, [(t.bits,) for t in tensors])):
+        for t, digest in zip(tensors, parallel_map(scheme.tensor_hash, [(t.bits,) for t in tensors])):
             ids[t.name] = TensorId(t.name, t.dtype.name, t.shape, digest)
             progress.advance(ckpt.entry(t.name).nbytes)
     progress.end()
     return ids
 
 
-def checkpoint_digest_of(path: str | Path, precision: str = "exact", progress: Progress = SILENT) -> str:
-    """The digest a patch records for this checkpoint as base or target."""
+def checkpoint_digest_of(path: str | Path, precision: str = "exact", progress: Progress = SILENT,
+                         scheme: str | DigestScheme = DEFAULT_SCHEME) -> str:
+    """The digest a patch records for this checkpoint as base or target, under `scheme` (a
+    DigestScheme or its name: "tree", the default since format 1.4, or "flat")."""
     if precision not in PRECISIONS:
         raise UsageError(f"unknown precision {precision!r}; choose exact or bf16")
+    scheme = digest_scheme(scheme)
     with Checkpoint(path) as ckpt:
-        return checkpoint_digest(tensor_ids(TensorView(ckpt, precision), progress).values())
+        return scheme.digest(tensor_ids(TensorView(ckpt, precision), progress, scheme).values())
+
+
+def digest_scheme(scheme: str | DigestScheme) -> DigestScheme:
+    """A scheme given by name (a user's choice) or as itself; UsageError for an unknown name."""
+    if isinstance(scheme, DigestScheme):
+        return scheme
+    if scheme not in SCHEMES:
+        raise UsageError(f"unknown digest scheme {scheme!r}; choose {' or '.join(SCHEMES)}")
+    return SCHEMES[scheme]

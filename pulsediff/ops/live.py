@@ -44,7 +44,7 @@ from typing import BinaryIO
 import numpy as np
 
 from pulsediff.io.checkpoint import Checkpoint, ShardFile, TensorView
-from pulsediff.format.digest import TensorId, checkpoint_digest
+from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId
 from pulsediff.io.dtypes import DTYPES, DType
 from pulsediff.errors import BaseMismatchError, CorruptPatchError, TensorMismatchError, UsageError
 from pulsediff.io.safetensors_header import ParsedHeader, TensorEntry, build_header
@@ -129,11 +129,13 @@ def open_source(source) -> Checkpoint:
     return StateDict(source) if isinstance(source, Mapping) else open_checkpoint(source)
 
 
-def state_dict_digest(tensors: Mapping, precision: str = "exact") -> str:
-    """The digest a patch records for these tensors as base or target (same as for the saved file)."""
-    from pulsediff.ops.inspect import tensor_ids
+def state_dict_digest(tensors: Mapping, precision: str = "exact", scheme: str | DigestScheme = DEFAULT_SCHEME) -> str:
+    """The digest a patch records for these tensors as base or target (same as for the saved file),
+    under `scheme` (its name, "tree" or "flat", or itself)."""
+    from pulsediff.ops.inspect import digest_scheme, tensor_ids
 
-    return checkpoint_digest(tensor_ids(TensorView(StateDict(tensors), precision)).values())
+    scheme = digest_scheme(scheme)
+    return scheme.digest(tensor_ids(TensorView(StateDict(tensors), precision), scheme=scheme).values())
 
 
 @dataclass(frozen=True)
@@ -300,14 +302,15 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
             views = {name: device_bits(t) for name, t in tensors.items() if name not in aliases}
             return apply_by_sums(views, reader, header, undo, known, aliases)
         known.clear()
-        ids = tensor_ids(TensorView(live, header.precision))
-        digest = checkpoint_digest(ids.values())
+        scheme = header.scheme
+        ids = tensor_ids(TensorView(live, header.precision), scheme=scheme)
+        digest = scheme.digest(ids.values())
         if digest == header.target_digest:
             return _Step("up-to-date", digest, set(), 0)
-        anchor = header.base_digest == checkpoint_digest([])  # every tensor carried whole: any live state takes it
+        anchor = header.base_digest == scheme.empty  # every tensor carried whole: any live state takes it
         if digest != header.base_digest and not anchor:
             raise BaseMismatchError(header.base_digest, digest, "the live tensors are not the patch's base")
-        if checkpoint_digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in header.tensors) \
+        if scheme.digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in header.tensors) \
                 != header.target_digest:
             raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
         backend = get_backend(device)  # the rebuild runs on host copies
@@ -443,13 +446,13 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     known.update(sums)
     if all(sums[r.name] == int(r.target_sum, 16) for r in records):
         return _Step("up-to-date", header.target_digest, set(), 0)
-    if header.base_digest != checkpoint_digest([]):  # an anchor's base is any tensors of the target's shapes
+    if header.base_digest != header.scheme.empty:  # an anchor's base is any tensors of the target's shapes
         for r in records:
             if r.base_sum is not None and sums[r.name] != int(r.base_sum, 16):
                 raise BaseMismatchError(header.base_digest, f"word sum {sums[r.name]:016x} for {r.name!r}",
                                         f"the live tensor {r.name!r} is not the patch's base (base word sum "
                                         f"{r.base_sum})")
-    if checkpoint_digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in records) \
+    if header.scheme.digest(TensorId(r.name, r.dtype.name, r.shape, r.target_hash) for r in records) \
             != header.target_digest:
         raise CorruptPatchError(reader.source, "the tensor hashes do not make up the target digest")
     read_layout(reader, header, sequential=True)  # checked, though live tensors have no files

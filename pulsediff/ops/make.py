@@ -28,8 +28,7 @@ from pulsediff.ops.live import open_source
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
 from pulsediff.codecs.base import zstd_compress
 from pulsediff.codecs.gap_zstd import gap_width
-from pulsediff.format.digest import (TensorId, checkpoint_digest, format_word_sum, tensor_checks, tensor_hash,
-                                     tensor_hasher)
+from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, format_word_sum
 from pulsediff.errors import UsageError, refuse_existing, refuse_folder_for_file
 from pulsediff.io.folder_files import file_hash, folder_files, read_folder_file
 from pulsediff.format.container import SectionRef, encode_header, encode_preamble, section_checksum
@@ -88,6 +87,7 @@ def make_patch(
     skip_unsupported: bool = False,
     skipped: list[str] | None = None,
     force: bool = False,
+    digest: str = DEFAULT_SCHEME.name,
 ) -> PatchHeader:
     """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
 
@@ -99,9 +99,14 @@ def make_patch(
     files travel with it (pulsediff/io/folder_files.py); weights in other formats
     and huge files are refused unless `skip_unsupported`, and what was left
     out is appended to `skipped`. An existing `out` file is refused (OutputExistsError) unless `force`; a
-    folder (or a name ending in '/') is refused whatever `force` (UsageError).
+    folder (or a name ending in '/') is refused whatever `force` (UsageError). `digest`: how
+    tensors are hashed (FORMAT.md §3): "tree", the default, or "flat", which pulsediff before
+    format 1.4 reads too.
     """
+    from pulsediff.ops.inspect import digest_scheme
+
     check_choices(codec, precision)
+    scheme = digest_scheme(digest)
     refuse_folder_for_file(out, "a patch is a single file", patch_name(new))
     refuse_existing(out, force)
     if new is None:
@@ -110,7 +115,7 @@ def make_patch(
         target = TargetSource.of_view(TensorView(new_ckpt, precision), skip_unsupported)
         if skipped is not None:
             skipped.extend(target.skipped)
-        return write_patch(old, target, out, codec=codec, device=device, progress=progress)
+        return write_patch(old, target, out, codec=codec, device=device, progress=progress, scheme=scheme)
 
 
 def patch_name(new) -> str:
@@ -177,11 +182,12 @@ def check_choices(codec: str, precision: str) -> None:
 
 
 def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str, device: str | None,
-                progress: Progress) -> PatchHeader:
-    """Diff checkpoint `old` (None: empty) against `target` and write the patch to `out`."""
+                progress: Progress, scheme: DigestScheme = DEFAULT_SCHEME) -> PatchHeader:
+    """Diff checkpoint `old` (None: empty) against `target` and write the patch to `out`, its
+    tensors hashed under `scheme`."""
     backend = get_backend(device)
     with open_source(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
-        header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress)
+        header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress, scheme)
         inputs = [old_ckpt, *target.inputs] if target.inputs is not None else None
         check_inputs(inputs)  # an input that shrank while read gave zeros: no patch is made of them
         # Every byte of both inputs is read (the patch is in the spool) and has just been checked: a
@@ -209,7 +215,8 @@ def _emit(f: BinaryIO, header_frame: bytes, spool) -> None:
     shutil.copyfileobj(spool, f, 1 << 22)
 
 
-def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, progress: Progress) -> PatchHeader:
+def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, progress: Progress,
+          scheme: DigestScheme) -> PatchHeader:
     sparse = get_codec(codec_id)
     full = get_codec("full-zstd")
     offset = 0
@@ -244,7 +251,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
         progress.advance(old.ckpt.entry(base.name).nbytes)
         if kind == "same":
             record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, "same", 0, tgt_hash, base_hash,
-                                  target_sum=tgt_sum, base_sum=tgt_sum)
+                                  target_sum=tgt_sum, base_sum=tgt_sum, scheme=scheme)
         else:
             changed, enc = diffed if kind == "diff" else (tgt.bits.size, None)
             codec, op = (sparse, "patch") if enc is not None else (full, "full")
@@ -253,7 +260,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
                                   base_hash if op == "patch" else None,
                                   write_section(enc.parts, codec.id, enc.params),
-                                  tgt_sum, base_sum if op == "patch" else None)
+                                  tgt_sum, base_sum if op == "patch" else None, scheme)
         release(tgt.name)
         return record
 
@@ -272,19 +279,19 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             tgt = target.get(name)
             base = old.get(name) if name in old.ckpt else None
             if base is None:  # no base tensor of that name: carried whole
-                tgt_hash, tgt_sum = tensor_checks(tgt.bits)
+                tgt_hash, tgt_sum = scheme.checks(tgt.bits)
                 records.extend(encoder.finish())  # its section comes first
                 enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
                 records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
                                             section=write_section(enc.parts, full.id, enc.params),
-                                            target_sum=tgt_sum))
+                                            target_sum=tgt_sum, scheme=scheme))
                 release(name)
             else:
                 # Hashing, compare and coding are one task, so that an unchanged tensor (its
                 # hashes equal) does not drain the pipeline: the main thread only reads ahead
                 # and writes the finished sections in order.
                 alone = encoder.pipelined and tgt.bits.nbytes <= SPLIT_BYTES
-                records.extend(encoder.submit(partial(_check_and_encode, tgt, base, sparse, backend, alone),
+                records.extend(encoder.submit(partial(_check_and_encode, tgt, base, sparse, backend, scheme, alone),
                                               partial(record_of, tgt, base), tgt.bits.nbytes + base.bits.nbytes))
             progress.advance(stored_bytes)
         records.extend(encoder.finish())
@@ -295,7 +302,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     removed = [n for n in old.ckpt.names if n not in target_names]
     for name in removed:
         base = old.get(name)
-        base_ids.append(TensorId(name, base.dtype.name, base.shape, tensor_hash(base.bits)))
+        base_ids.append(TensorId(name, base.dtype.name, base.shape, scheme.tensor_hash(base.bits)))
         old.ckpt.release(name)
         progress.advance(old.ckpt.entry(name).nbytes)
     progress.end()
@@ -307,8 +314,8 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     return PatchHeader(
         tool=f"pulsediff {__version__}",
         precision=target.precision,
-        base_digest=checkpoint_digest(base_ids),
-        target_digest=checkpoint_digest(target_ids),
+        base_digest=scheme.digest(base_ids),
+        target_digest=scheme.digest(target_ids),
         base_tensors=len(base_ids),
         target_bytes=target_bytes,
         layout=Layout(target.kind, tuple(target.layout_files), target.index_len, layout_ref, layout_digest),
@@ -327,7 +334,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 SPLIT_BYTES = 16 << 20
 
 
-def _check_and_encode(tgt, base, sparse, backend, alone: bool = False):
+def _check_and_encode(tgt, base, sparse, backend, scheme: DigestScheme, alone: bool = False):
     """One tensor with a base, as a task: both tensors' hash and word sum, and, unless the base has
     another dtype or shape (then carried whole), the compare and the sparse coding. Where the codec
     fuses the checks into its compare (ctx-rans on the CPU), all in one read, and "same" means no
@@ -341,14 +348,14 @@ def _check_and_encode(tgt, base, sparse, backend, alone: bool = False):
     if comparable and sparse.fuses_checks(backend):
         # The checks in the compare's own read of the pair: each byte crosses the memory bus
         # once instead of twice (issue 27).
-        base_hasher, tgt_hasher = tensor_hasher(), tensor_hasher()
+        base_hasher, tgt_hasher = scheme.hasher(), scheme.hasher()
         with inline() if alone else nullcontext():
             changed, enc, base_sum, tgt_sum = sparse.encode_pair_checked(
                 base.bits, tgt.bits, base_hasher, tgt_hasher, dtype=tgt.dtype, kernels=backend,
                 max_changed=max_changed)
         checks = (tgt_hasher.hexdigest(), format_word_sum(tgt_sum), base_hasher.hexdigest(), format_word_sum(base_sum))
         return checks, ("same" if changed == 0 else "diff"), (changed, enc)
-    (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(tensor_checks, [(tgt.bits,), (base.bits,)])
+    (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(scheme.checks, [(tgt.bits,), (base.bits,)])
     checks = (tgt_hash, tgt_sum, base_hash, base_sum)
     if not comparable:
         return checks, "full", None

@@ -12,7 +12,7 @@ import numpy as np
 from pulsediff.codecs import get_codec
 from pulsediff.codecs.base import Scratch, SectionContext
 from pulsediff.errors import ChainError, CorruptPatchError
-from pulsediff.format.digest import TensorId, checkpoint_digest, tensor_hash, tensor_hasher
+from pulsediff.format.digest import TensorId
 from pulsediff.format.header import PatchHeader, TensorRecord
 from pulsediff.format.patch_file import Link
 from pulsediff.io.checkpoint import TensorView
@@ -55,14 +55,14 @@ class BaseCheck:
 
     def whole(self, rec: TensorRecord, bits: np.ndarray) -> str:
         """Check the base tensor `bits` that `rec` (the first link's record) decodes onto; its hash."""
-        digest = tensor_hash(bits)
+        digest = rec.scheme.tensor_hash(bits)
         self._seen(rec, digest)
         return digest
 
     def windows(self, rec: TensorRecord, bits: np.ndarray, window: int):
         """The base tensor as windows of `window` elements, each hashed once the consumer has walked
         it (it asks for the next one), so from the cache; checked after the last."""
-        hasher = tensor_hasher()
+        hasher = rec.scheme.hasher()
         for lo in range(0, bits.size, window):
             part = bits[lo:lo + window]
             yield part
@@ -74,16 +74,16 @@ class BaseCheck:
         the base's digest with the first link's."""
         from pulsediff.kernels.threads import num_threads, parallel_map
 
-        view = self.view
+        view, scheme = self.view, self.header.scheme
         rest = [name for name in view.ckpt.names if name not in self._hashes]
         batch = num_threads()  # as tensor_ids: views (bf16 casts) taken here, only the hashing spread
         for first in range(0, len(rest), batch):
             tensors = [view.get(name) for name in rest[first:first + batch]]
-            for t, digest in zip(tensors, parallel_map(tensor_hash, [(t.bits,) for t in tensors])):
+            for t, digest in zip(tensors, parallel_map(scheme.tensor_hash, [(t.bits,) for t in tensors])):
                 self._hashes[t.name] = digest
         ids = [TensorId(name, view.dtype_of(name).name, view.shape_of(name), digest)
                for name, digest in self._hashes.items()]
-        if len(ids) != len(view.ckpt.names) or checkpoint_digest(ids) != self.header.base_digest:
+        if len(ids) != len(view.ckpt.names) or scheme.digest(ids) != self.header.base_digest:
             raise BaseDiffers(None)
         self.verified = True
 
@@ -216,7 +216,7 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
         decode = codec.decode_alone if alone else codec.decode
         bits = decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
-    digest = base_hash if payload is None and base_hash is not None else tensor_hash(bits)
+    digest = base_hash if payload is None and base_hash is not None else rec.scheme.tensor_hash(bits)
     if digest != rec.target_hash:
         raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
     # The hash says nothing of the size when the header lies about it consistently (a "same" tensor given
@@ -248,9 +248,7 @@ class Windows:
     parts: Iterator[np.ndarray]
 
     def __post_init__(self) -> None:
-        import xxhash
-
-        self.hasher = xxhash.xxh3_128()
+        self.hasher = self.rec.scheme.hasher()
 
     def check(self) -> None:
         if self.hasher.hexdigest() != self.rec.target_hash:

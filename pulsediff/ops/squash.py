@@ -17,7 +17,6 @@ from pulsediff.format.patch_file import open_chain, read_layout
 from pulsediff.io.checkpoint import TensorData, TensorView, open_checkpoint
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC
 from pulsediff.codecs.base import Scratch
-from pulsediff.format.digest import checkpoint_digest
 from pulsediff.errors import BaseMismatchError, UsageError, refuse_existing, refuse_folder_for_file
 from pulsediff.ops.inspect import tensor_ids
 from pulsediff.kernels import get_backend
@@ -54,7 +53,8 @@ def squash_patches(
         backend = get_backend(device)
         with open_checkpoint(base) as base_ckpt:
             view = TensorView(base_ckpt, final.precision)
-            digest = checkpoint_digest(tensor_ids(view).values())
+            scheme = links[0].header.scheme  # a chain's links share it (their digests link up)
+            digest = scheme.digest(tensor_ids(view, scheme=scheme).values())
             if digest != links[0].header.base_digest:
                 raise BaseMismatchError(links[0].header.base_digest, digest, "squash needs the first patch's base")
             scratch = Scratch()
@@ -77,7 +77,7 @@ def squash_patches(
                 reuses_buffers=True,  # `get` rebuilds into `scratch`
                 inputs=[base_ckpt],  # write_patch checks it, then closes it unverified: no error after the commit
             )
-            header = write_patch(base, target, out, codec=codec, device=device, progress=progress)
+            header = write_patch(base, target, out, codec=codec, device=device, progress=progress, scheme=scheme)
         if header.target_digest != final.target_digest:  # cannot happen unless a bug: refuse loudly
             raise AssertionError("squashed patch does not reach the chain's target")
         return header

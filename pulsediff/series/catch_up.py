@@ -24,7 +24,6 @@ from pathlib import Path
 
 from pulsediff.errors import (CheckpointNotFoundError, InvalidManifestError, NotInSeriesError, PulsediffError, UsageError,
                               refuse_existing)
-from pulsediff.format.digest import checkpoint_digest
 from pulsediff.format.manifest import MANIFEST, Entry, Manifest, cheapest_paths, file_sha256
 from pulsediff.io.checkpoint import Checkpoint, TensorView
 from pulsediff.runtime.progress import SILENT, Progress
@@ -89,8 +88,8 @@ def _where_we_are(checkpoint: Path, source: Store, progress: Progress, trust=Non
     ids = None  # hashed once here, handed to apply
     if checkpoint.exists():
         with Checkpoint(checkpoint) as ckpt:
-            ids = tensor_ids(TensorView(ckpt, manifest.precision), progress)
-    return manifest, ids, checkpoint_digest(ids.values()) if ids is not None else None
+            ids = tensor_ids(TensorView(ckpt, manifest.precision), progress, manifest.scheme)
+    return manifest, ids, manifest.scheme.digest(ids.values()) if ids is not None else None
 
 
 def refuse_other_kind(out: Path, checkpoint: Path) -> None:

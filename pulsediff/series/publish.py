@@ -181,7 +181,8 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
     manifest = _read_dest_manifest(dest, signing) or Manifest(precision, [])
     if manifest.precision != precision:
         raise UsageError(f"{dest.location} holds {manifest.precision} patches; publish with --precision {manifest.precision}")
-    kwargs = {"precision": precision, "device": device}
+    # A series keeps the digest scheme it started with: its chains link by digest.
+    kwargs = {"precision": precision, "device": device, "digest": manifest.scheme.name}
     if codec:
         kwargs["codec"] = codec
     report = PublishReport()
@@ -245,7 +246,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
                 new_entries.append(Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
                                          tmp.stat().st_size, header.target_bytes, file_sha256(tmp)))
             # The second look: the checkpoint read while making the patches must be the one there now.
-            again = checkpoint_digest_of(path, precision, _Named(progress, f"check {step}"))
+            again = checkpoint_digest_of(path, precision, _Named(progress, f"check {step}"), manifest.scheme)
             if fingerprint_or_none(path) != before or any(e.target != again for e in new_entries):
                 report.pending[path.name] = "settling"  # it changed while we read it: try again later
                 break
