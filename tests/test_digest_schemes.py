@@ -191,6 +191,15 @@ def test_a_series_keeps_its_scheme(tmp_path, monkeypatch):
         worker.write_bytes(steps[1].read_bytes())
         catch_up(worker, pub)
         assert worker.read_bytes() == steps[-1].read_bytes()
+        # Live tensors whose known digest is of the default (tree) scheme: hashed again under the series'.
+        from safetensors.torch import load_file
+
+        from pulsediff.series.catch_up import catch_up_state_dict
+
+        tensors = load_file(str(steps[1]))
+        result = catch_up_state_dict(tensors, pub, digest=state_dict_digest(tensors))
+        assert result.step == 4 and result.digest == manifest.newest.target
+        assert state_dict_digest(tensors, scheme=first) == manifest.newest.target
     # One entry relabelled into the other scheme: the manifest is refused whole.
     pub = tmp_path / "pub-flat"
     obj = json.loads((pub / "manifest.json").read_text())

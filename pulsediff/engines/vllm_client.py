@@ -14,7 +14,7 @@ weights. So:
   update, finish, reset the prefix cache, resume. `pulsediff vllm-sync` is this, once or in a loop.
 
 The weight version is the step as a decimal string ("12"), or, for a lone patch file, its target
-digest ("xxh128:..."; a patch URL's file name). Nothing here imports vLLM: the offline helper
+digest ("xxh3tree:..."; a patch URL's file name). Nothing here imports vLLM: the offline helper
 only calls methods of the `llm` it is given, and the HTTP client is the standard library's.
 """
 

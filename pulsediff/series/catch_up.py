@@ -387,7 +387,7 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
     tensors' digest to `step` (default: the newest).
 
     `digest`: the digest the tensors are known to have (the `target_digest` of the last
-    apply), which spares hashing them on the host to find where they are in the series (on
+    apply; one under another scheme than the series' is taken again), which spares hashing them on the host to find where they are in the series (on
     a GPU, a copy of every tensor); the chain's first patch checks the base all the same
     (by word sums under check="sums"), though a `digest` that names the target step is
     taken at its word. `check`, `changes` and `sums` are apply_to_state_dict's. `trust` and
@@ -408,8 +408,9 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
         if manifest is None or manifest.newest is None:
             raise CheckpointNotFoundError(where, "manifest")
         goal = step_entry(manifest, step, store.location)
-        if digest is None:
-            digest = state_dict_digest(tensors, manifest.precision)
+        if digest is None or not digest.startswith(manifest.scheme.prefix):
+            # Unknown, or known under the other scheme (a state loaded now, a series begun before 1.4).
+            digest = state_dict_digest(tensors, manifest.precision, manifest.scheme)
         if digest == goal.target:
             return LiveCatchUp("up-to-date", goal.step, 0, 0, digest)
         # With trust, every local file is copied while hashed and applied from that private copy: one swapped
