@@ -67,6 +67,7 @@ class Codec(ABC):
         positions, values = kernels.diff_compact(base, target)
         if max_changed is not None and positions.size > max_changed:
             return positions.size, None
+        positions, values = to_host(positions), to_host(values)  # device arrays in: the changes cross
         return positions.size, self.encode(base, target, positions, values, dtype=dtype, kernels=kernels)
 
     def fuses_checks(self, kernels: ModuleType) -> bool:
@@ -123,6 +124,12 @@ class Codec(ABC):
 
 
 # -- shared, checked helpers -------------------------------------------------
+
+
+def to_host(a):
+    """A kernel's result on the host: a device array copied over (compact entries, never a whole
+    tensor), a host array as it is."""
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else a
 
 
 def cpu_if_none(kernels: ModuleType | None) -> ModuleType:

@@ -41,7 +41,7 @@ from numba import njit
 
 from pulsediff.errors import CorruptPatchError
 from pulsediff.codecs import entropy
-from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, uint_param
+from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, to_host, uint_param
 
 # (shift, bits) of the exponent field: the class of a base element.
 CLASS_FIELDS = {
@@ -319,6 +319,8 @@ class CtxRans(Codec):
         zigzag, classes, ranks, _ = kernels.diff_ranks(base, target, shift, (1 << bits) - 1)
         if max_changed is not None and zigzag.size > max_changed:
             return zigzag.size, None
+        # Device arrays in (kernels.cuda): only these compact entries cross to the host.
+        zigzag, classes, ranks = to_host(zigzag), to_host(classes), to_host(ranks)
         return zigzag.size, self._encode_ranked(classes, ranks, zigzag, shift, bits)
 
     def fuses_checks(self, kernels):

@@ -154,18 +154,25 @@ class DigestScheme:
     def tree(self) -> bool:
         return self.name == "tree"
 
-    def tensor_hash(self, bits) -> str:
-        """Hex hash of a tensor's bytes (a numpy array; C order)."""
-        return tree_hash(bits) if self.tree else _flat_hash(bits)
+    def tensor_hash(self, bits, backend=None) -> str:
+        """Hex hash of a tensor's bytes (C order): a numpy array, or under the tree with
+        kernels.cuda as `backend`, a device array hashed where it lives."""
+        if self.tree:
+            return tree_hash(bits, backend)
+        return _flat_hash(bits)
 
     def hasher(self):
         """The tensor hash taken piece by piece: `update(buffer)` in order, then `hexdigest()`
         (for a compare that reads the tensor anyway)."""
         return TreeHasher() if self.tree else xxhash.xxh3_128()
 
-    def checks(self, bits) -> tuple[str, str]:
+    def checks(self, bits, backend=None) -> tuple[str, str]:
         """A tensor's hash and its word sum (FORMAT.md §3.1), both as hex: what a patch records
-        for each base and target tensor."""
+        for each base and target tensor. Under the tree with a device backend (kernels.cuda),
+        both are taken where the array lives: only the 16-byte leaves and the block sums come
+        back (two reads of the tensor on the device; on the CPU, one)."""
+        if self.tree and backend is not None and not backend.__name__.endswith(".cpu"):
+            return tree_hash(bits, backend), format_word_sum(backend.word_sum(bits))
         return _tree_checks(bits) if self.tree else _flat_checks(bits)
 
     def digest(self, tensors: Iterable[TensorId]) -> str:

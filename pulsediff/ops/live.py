@@ -118,6 +118,19 @@ class StateDict(Checkpoint):
     def raw_bytes(self, name: str) -> np.ndarray:
         return host_bytes(self._tensors[name])
 
+    def device_data(self, name: str, precision: str):
+        """The tensor as TensorView(self, precision).get sees it, its bits a Numba device array
+        over the CUDA tensor's own memory (no copy); None for a tensor on the CPU, or one that
+        the view casts to BF16 (the cast is the host's: torch's CUDA cast may give NaNs other
+        bits than its CPU cast, and a digest must not depend on where it was taken)."""
+        from pulsediff.io.checkpoint import TensorData
+
+        t = self._tensors[name]
+        entry = self.entry(name)
+        if t.device.type != "cuda" or TensorView(self, precision).casts(entry.dtype):
+            return None
+        return TensorData(name, entry.dtype, entry.shape, device_bits(t))
+
     def close(self, verify: bool = True) -> None:
         pass
 

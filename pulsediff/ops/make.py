@@ -24,9 +24,9 @@ from typing import Callable, Mapping
 from pulsediff.version import __version__
 from pulsediff.io.atomic import StagedFiles, check_inputs
 from pulsediff.io.checkpoint import Checkpoint, TensorData, TensorView
-from pulsediff.ops.live import open_source
+from pulsediff.ops.live import StateDict, open_source
 from pulsediff.codecs import DEFAULT_SPARSE_CODEC, SPARSE_CODECS, get_codec
-from pulsediff.codecs.base import zstd_compress
+from pulsediff.codecs.base import to_host, zstd_compress
 from pulsediff.codecs.gap_zstd import gap_width
 from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, format_word_sum
 from pulsediff.errors import UsageError, refuse_existing, refuse_folder_for_file
@@ -62,6 +62,8 @@ class TargetSource:
     prefetch: Callable[[str], None] | None = None  # reads a tensor's bytes into memory ahead of `get`
     release: Callable[[str], None] | None = None  # done with a tensor's bytes: unmap them
     inputs: list | None = None  # the checkpoints `get` reads (None: unknown, so every mapped file is checked)
+    # A tensor as `get` gives it, its bits already in GPU memory (a live CUDA tensor's own), or None.
+    get_device: Callable[[str], TensorData | None] | None = None
 
     @classmethod
     def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
@@ -72,7 +74,7 @@ class TargetSource:
         return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get,
                    [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
                    others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release,
-                   inputs=[new.ckpt])
+                   inputs=[new.ckpt], get_device=_device_data_of(new))
 
 
 def make_patch(
@@ -116,6 +118,33 @@ def make_patch(
         if skipped is not None:
             skipped.extend(target.skipped)
         return write_patch(old, target, out, codec=codec, device=device, progress=progress, scheme=scheme)
+
+
+def _device_data_of(view: TensorView):
+    """StateDict.device_data for the view's precision, where the checkpoint is a state dict."""
+    if not isinstance(view.ckpt, StateDict):
+        return None
+    return lambda name: view.ckpt.device_data(name, view.precision)
+
+
+def on_device(scheme: DigestScheme, backend) -> bool:
+    """Whether make runs where a GPU holds the tensors: the CUDA backend, and hashes a GPU can take
+    (the tree). Then each tensor is on the device once (a live CUDA tensor in place; else copied
+    over once), hashed, summed and compared there, and only the compact changes (and tensors
+    carried whole) cross to the host. Under the flat scheme the hashes are the host's."""
+    return scheme.tree and not backend.__name__.endswith(".cpu")
+
+
+def _getter_on_device(get: Callable[[str], TensorData], get_device, backend) -> Callable[[str], TensorData]:
+    """`get`, its bits on the device: `get_device`'s where it has them, else `get`'s copied over."""
+    def on_the_device(name: str) -> TensorData:
+        t = get_device(name) if get_device is not None else None
+        if t is None:
+            t = get(name)
+            t = TensorData(t.name, t.dtype, t.shape, backend.device_bits(t.bits))
+        return t
+
+    return on_the_device
 
 
 def patch_name(new) -> str:
@@ -237,6 +266,10 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 
     records: list[TensorRecord] = []
     base_ids: list[TensorId] = []
+    get_target, get_base = target.get, old.get
+    if on_device(scheme, backend):
+        get_target = _getter_on_device(target.get, target.get_device, backend)
+        get_base = _getter_on_device(old.get, _device_data_of(old), backend)
 
     def release(name: str) -> None:  # the tensor's record is final: its pages may go
         if target.release is not None:
@@ -256,7 +289,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             changed, enc = diffed if kind == "diff" else (tgt.bits.size, None)
             codec, op = (sparse, "patch") if enc is not None else (full, "full")
             if enc is None:
-                enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+                enc = full.encode(None, to_host(tgt.bits), None, None, dtype=tgt.dtype)
             record = TensorRecord(tgt.name, tgt.dtype, tgt.shape, op, changed, tgt_hash,
                                   base_hash if op == "patch" else None,
                                   write_section(enc.parts, codec.id, enc.params),
@@ -276,12 +309,12 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     try:
         for k, (name, stored_bytes) in enumerate(target.entries):
             ahead.reached(k)
-            tgt = target.get(name)
-            base = old.get(name) if name in old.ckpt else None
+            tgt = get_target(name)
+            base = get_base(name) if name in old.ckpt else None
             if base is None:  # no base tensor of that name: carried whole
-                tgt_hash, tgt_sum = scheme.checks(tgt.bits)
+                tgt_hash, tgt_sum = scheme.checks(tgt.bits, backend)
                 records.extend(encoder.finish())  # its section comes first
-                enc = full.encode(None, tgt.bits, None, None, dtype=tgt.dtype)
+                enc = full.encode(None, to_host(tgt.bits), None, None, dtype=tgt.dtype)
                 records.append(TensorRecord(tgt.name, tgt.dtype, tgt.shape, "full", tgt.bits.size, tgt_hash,
                                             section=write_section(enc.parts, full.id, enc.params),
                                             target_sum=tgt_sum, scheme=scheme))
@@ -301,8 +334,8 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
 
     removed = [n for n in old.ckpt.names if n not in target_names]
     for name in removed:
-        base = old.get(name)
-        base_ids.append(TensorId(name, base.dtype.name, base.shape, scheme.tensor_hash(base.bits)))
+        base = get_base(name)
+        base_ids.append(TensorId(name, base.dtype.name, base.shape, scheme.tensor_hash(base.bits, backend)))
         old.ckpt.release(name)
         progress.advance(old.ckpt.entry(name).nbytes)
     progress.end()
@@ -355,7 +388,10 @@ def _check_and_encode(tgt, base, sparse, backend, scheme: DigestScheme, alone: b
                 max_changed=max_changed)
         checks = (tgt_hasher.hexdigest(), format_word_sum(tgt_sum), base_hasher.hexdigest(), format_word_sum(base_sum))
         return checks, ("same" if changed == 0 else "diff"), (changed, enc)
-    (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(scheme.checks, [(tgt.bits,), (base.bits,)])
+    if on_device(scheme, backend):  # one launch after another on this thread's CUDA context
+        (tgt_hash, tgt_sum), (base_hash, base_sum) = (scheme.checks(t.bits, backend) for t in (tgt, base))
+    else:
+        (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(scheme.checks, [(tgt.bits,), (base.bits,)])
     checks = (tgt_hash, tgt_sum, base_hash, base_sum)
     if not comparable:
         return checks, "full", None
