@@ -38,7 +38,7 @@ What is measured:
   GPU that is kernels.class_sort's stable sort of the class keys (torch, CUB), the path
   `pulsediff.ops.live` takes now; and the plain-torch baseline of systems that ship raw indices
   and values: int32 positions and BF16 values from pinned memory, H2D, `index_copy_`.
-- with --make: `pulsediff.make_patch_bytes(old, new)` from two state dicts in GPU memory, next
+- with --make: `pulsediff.make_patch_bytes(old, new, device="cuda")` from two state dicts in GPU memory, next
   to plain torch's compare (`nonzero(a != b)` and a gather) over the same tensors.
 - with --live: `pulsediff.ops.live.apply_to_state_dict(tensors, patch)` on the same tensors
   with a real ctx-rans patch (made with make_patch_bytes from host copies), end to end:
@@ -450,9 +450,38 @@ def torch_index_copy_baseline(tensors, arrays, repeats: int) -> tuple[float, int
     return seconds, sum(idx.numel() * 6 for _, idx, _ in staged)
 
 
+class DeviceMemoryPeak:
+    """The device's least free memory while the block runs, sampled every 2 ms on a thread of its
+    own (torch.cuda.mem_get_info: the whole device, so Numba's allocations count as torch's do):
+    `extra` is the peak it took beyond what was in use when the block began."""
+
+    def __enter__(self):
+        import threading
+
+        import torch
+
+        self._torch, self._stop = torch, threading.Event()
+        self.before = self.least = torch.cuda.mem_get_info()[0]
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.least = min(self.least, self._torch.cuda.mem_get_info()[0])
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.least = min(self.least, self._torch.cuda.mem_get_info()[0])
+        self.extra = self.before - self.least
+
+
 def make_from_state_dicts(tensors, arrays, repeats: int, info: dict) -> list[list[str]]:
-    """pulsediff.make_patch_bytes from two state dicts in GPU memory, next to plain torch's
-    compare (`nonzero(a != b)` and a gather of the new values) over the same tensors."""
+    """pulsediff.make_patch_bytes from two state dicts in GPU memory (format 1.4's tree hashes: every
+    tensor hashed, summed and compared on the device, only the changes brought over), next to
+    plain torch's compare (`nonzero(a != b)` and a gather of the new values) over the same tensors;
+    with the peak extra device memory make took."""
     import torch
 
     from pulsediff.ops.make import make_patch_bytes
@@ -473,23 +502,24 @@ def make_from_state_dicts(tensors, arrays, repeats: int, info: dict) -> list[lis
     # One run: at today's speed a 7B make takes tens of seconds, and the lease is minutes. The
     # kernels are warm from the rows before (--live made a patch from host copies already).
     sync()
-    start = time.perf_counter()
-    patch = make_patch_bytes(old, new)
-    sync()
-    t_make = time.perf_counter() - start
+    with DeviceMemoryPeak() as peak:
+        start = time.perf_counter()
+        patch = make_patch_bytes(old, new, device="cuda")
+        sync()
+        t_make = time.perf_counter() - start
     same = info.get("patch")
     info["make_ok"] = same is None or patch == same  # the same tensors on the host made this patch
     nbytes = 4 * info["elements"]
     check = "" if same is None else (", byte-identical to the patch made from host copies" if patch == same
                                      else ", DIFFERENT from the patch made from host copies")
-    return [[f"`pulsediff.make_patch_bytes` from two CUDA state dicts ({len(patch):,}-byte patch{check}), one run",
-             f"{t_make * 1e3:.1f}", gbps(nbytes, t_make)],
+    return [[f"`pulsediff.make_patch_bytes` from two CUDA state dicts ({len(patch):,}-byte patch{check}), one run; "
+             f"peak extra device memory {peak.extra / 2**20:,.0f} MiB", f"{t_make * 1e3:.1f}", gbps(nbytes, t_make)],
             ["plain torch: nonzero(a != b) + gather of the new values, every tensor", f"{t_compare * 1e3:.1f}",
              gbps(nbytes, t_compare)]]
 
 
 def model_digest(tensors, arrays, repeats: int) -> tuple[list[list[str]], bool]:
-    """format.digest.tree_hash (the per-tensor hash planned for format 1.4) of every tensor where it
+    """format.digest.tree_hash (format 1.4's tensor hash) of every tensor where it
     lives, one tensor after another (a launch each), against the same of the host's copies."""
     from pulsediff.format.digest import tree_hash
     from pulsediff.kernels import cuda as K
@@ -514,7 +544,7 @@ def live_apply(tensors, arrays, repeats: int, info: dict) -> list[str]:
 
     old = {t.name: host(arrays.host_bits(t.dense), t.shape) for t in tensors}
     new = {t.name: host(t.expected, t.shape) for t in tensors}
-    patch = make_patch_bytes(old, new)
+    patch = make_patch_bytes(old, new, device="cpu")  # the CPU's patch: the one make on the device must equal
     info["patch"] = patch
     if isinstance(arrays, TorchTensors):
         live = {t.name: t.dev for t in tensors}
@@ -598,7 +628,7 @@ def main(argv=None) -> int:
         print(f"\npatched tensors bit for bit: {'yes' if model_ok else 'NO'}")
         ok &= model_ok
         rows, digest_ok = model_digest(model_tensors, arrays, args.repeats)
-        table(f"The planned 1.4 tensor hash of {shape_name} where it lives", ["what", "ms", "GB/s of weights"], rows)
+        table(f"The 1.4 tensor hash of {shape_name} where it lives", ["what", "ms", "GB/s of weights"], rows)
         print(f"\ndevice tree hashes equal the host's: {'yes' if digest_ok else 'NO'}")
         ok &= digest_ok
         if args.make and isinstance(arrays, TorchTensors):

@@ -97,3 +97,40 @@ def test_flat_hashes_stay_on_the_host(tmp_path):
     with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
         make_patch(old, new, tmp_path / "gpu.pulsediff", device="cuda", digest="flat")
     assert (tmp_path / "gpu.pulsediff").read_bytes() == (tmp_path / "cpu.pulsediff").read_bytes()
+
+
+def test_live_cuda_tensors_are_hashed_where_they_are(tmp_path, monkeypatch):
+    """state_dict_digest (catch-up of live tensors, the engine state) of tensors that StateDict
+    finds on the device: tree hashes taken there, equal to the file's digest; BF16 casts and the
+    flat scheme on the host. (The simulator has no CUDA tensors: device_data is made to hand out
+    simulated device copies of them.)"""
+    from numba import cuda as numba_cuda
+
+    from pulsediff.io.checkpoint import TensorData
+    from pulsediff.ops.inspect import checkpoint_digest_of
+    from pulsediff.ops.live import StateDict, state_dict_digest
+
+    _, new = _state_dicts(14)
+    save_file(new, str(tmp_path / "new.safetensors"))
+    seen = []
+
+    def on_device(self, name, precision):
+        from pulsediff.io.checkpoint import TensorView
+
+        if TensorView(self, precision).casts(self.entry(name).dtype):
+            return None
+        seen.append(name)
+        bits = TensorView(self, precision).get(name).bits
+        return TensorData(name, self.entry(name).dtype, self.entry(name).shape, numba_cuda.to_device(bits))
+
+    monkeypatch.setattr(StateDict, "device_data", on_device)
+    from pulsediff.kernels import cuda
+
+    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+        for precision in ("exact", "bf16"):
+            seen.clear()
+            assert state_dict_digest(new, precision) == checkpoint_digest_of(tmp_path / "new.safetensors", precision)
+            assert seen and (precision == "bf16") == (len(seen) < len(new))
+        seen.clear()
+        assert state_dict_digest(new, scheme="flat") == checkpoint_digest_of(tmp_path / "new.safetensors", scheme="flat")
+        assert not seen

@@ -19,6 +19,20 @@ def tensor_ids(view: TensorView, progress: Progress = SILENT,
     progress.begin("hash", sum(ckpt.entry(n).nbytes for n in ckpt.names), len(ckpt.names))
     ids = {}
     names = list(ckpt.names)
+    # Live CUDA tensors under the tree: hashed where they are (ops.live.StateDict.device_data),
+    # never copied to the host.
+    device_data = getattr(ckpt, "device_data", None) if scheme.tree else None
+    on_host = []
+    for name in names:
+        t = device_data(name, view.precision) if device_data is not None else None
+        if t is None:
+            on_host.append(name)
+            continue
+        from pulsediff.kernels import cuda_backend
+
+        ids[name] = TensorId(name, t.dtype.name, t.shape, scheme.tensor_hash(t.bits, cuda_backend()))
+        progress.advance(ckpt.entry(name).nbytes)
+    names = on_host
     batch = num_threads()  # tensors hashed at once (XXH3 releases the GIL); casts keep a batch in memory
     for first in range(0, len(names), batch):
         tensors = [view.get(name) for name in names[first:first + batch]]
