@@ -42,11 +42,16 @@ def _state_dicts(seed: int):
     return old, new
 
 
-@pytest.mark.parametrize("codec,precision", [("ctx-rans", "exact"), ("gap-zstd", "exact"), ("ctx-rans", "bf16")])
-def test_make_on_the_device_is_make_on_the_cpu_byte_for_byte(tmp_path, monkeypatch, codec, precision):
+@pytest.mark.parametrize("codec,precision,threads", [("ctx-rans", "exact", "3"), ("gap-zstd", "exact", "3"),
+                                                      ("ctx-rans", "bf16", "3"), ("ctx-ac", "exact", "1")])
+def test_make_on_the_device_is_make_on_the_cpu_byte_for_byte(tmp_path, monkeypatch, fresh_pool, codec, precision,
+                                                             threads):
+    """With several threads the device's compares run ahead of the host's coding (pipelined);
+    with one, each tensor is coded as it is compared."""
     from pulsediff.format import digest
     from pulsediff.kernels import cpu, cuda
 
+    monkeypatch.setenv("PULSEDIFF_THREADS", threads)
     old, new = _state_dicts(11)
     save_file(old, str(tmp_path / "old.safetensors"))
     save_file(new, str(tmp_path / "new.safetensors"))
@@ -58,15 +63,15 @@ def test_make_on_the_device_is_make_on_the_cpu_byte_for_byte(tmp_path, monkeypat
     def host_only(*_args, **_kwargs):
         raise AssertionError("a host kernel ran in make on the device")
 
-    for name in ("diff_ranks", "diff_ranks_checked", "diff_compact", "chunk_digests", "chunk_checks", "word_sum"):
-        monkeypatch.setattr(cpu, name, host_only)
-    monkeypatch.setattr(digest, "_flat_checks", host_only)
-    for sources in ((old, new), (tmp_path / "old.safetensors", tmp_path / "new.safetensors")):
-        on_gpu = tmp_path / "gpu.pulsediff"
-        with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
-            make_patch(*sources, on_gpu, codec=codec, precision=precision, device="cuda", force=True)
-        assert on_gpu.read_bytes() == on_cpu.read_bytes(), type(sources[0])
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        for name in ("diff_ranks", "diff_ranks_checked", "diff_compact", "chunk_digests", "chunk_checks", "word_sum"):
+            m.setattr(cpu, name, host_only)
+        m.setattr(digest, "_flat_checks", host_only)
+        for sources in ((old, new), (tmp_path / "old.safetensors", tmp_path / "new.safetensors")):
+            on_gpu = tmp_path / "gpu.pulsediff"
+            with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+                make_patch(*sources, on_gpu, codec=codec, precision=precision, device="cuda", force=True)
+            assert on_gpu.read_bytes() == on_cpu.read_bytes(), type(sources[0])
     out = tmp_path / "out.safetensors"
     apply_patch(tmp_path / "old.safetensors", on_gpu, out)
     if precision == "exact":

@@ -6,6 +6,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 import numpy as np
 import zstandard
@@ -69,6 +70,16 @@ class Codec(ABC):
             return positions.size, None
         positions, values = to_host(positions), to_host(values)  # device arrays in: the changes cross
         return positions.size, self.encode(base, target, positions, values, dtype=dtype, kernels=kernels)
+
+    def compare_pair(self, base, target, dtype=None, kernels: ModuleType | None = None,
+                     max_changed: int | None = None) -> tuple[int, Callable[[], Encoded] | None]:
+        """encode_pair in two halves: the compare now, on `kernels` (where the pair lives, a GPU's
+        included), and the coding of what it found as a callable to run later on any thread,
+        holding host arrays only (make on the device codes on the host's threads while the GPU
+        compares the next tensors). None in place of it as encode_pair's section would be. Codecs
+        whose coding is cheap do it all now."""
+        changed, enc = self.encode_pair(base, target, dtype=dtype, kernels=kernels, max_changed=max_changed)
+        return changed, (None if enc is None else lambda: enc)
 
     def fuses_checks(self, kernels: ModuleType) -> bool:
         """Whether encode_pair_checked takes both tensors' hashes and word sums in the compare's

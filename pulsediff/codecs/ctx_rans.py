@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -314,6 +315,10 @@ class CtxRans(Codec):
 
     def encode_pair(self, base, target, dtype=None, kernels=None, max_changed=None):
         """Compare and encode in one read of the pair (kernels.diff_ranks)."""
+        changed, encode = self.compare_pair(base, target, dtype, kernels, max_changed)
+        return changed, None if encode is None else encode()
+
+    def compare_pair(self, base, target, dtype=None, kernels=None, max_changed=None):
         kernels = cpu_if_none(kernels)
         shift, bits = class_field(dtype.name if dtype is not None else "")
         zigzag, classes, ranks, _ = kernels.diff_ranks(base, target, shift, (1 << bits) - 1)
@@ -321,7 +326,7 @@ class CtxRans(Codec):
             return zigzag.size, None
         # Device arrays in (kernels.cuda): only these compact entries cross to the host.
         zigzag, classes, ranks = to_host(zigzag), to_host(classes), to_host(ranks)
-        return zigzag.size, self._encode_ranked(classes, ranks, zigzag, shift, bits)
+        return zigzag.size, partial(self._encode_ranked, classes, ranks, zigzag, shift, bits)
 
     def fuses_checks(self, kernels):
         return hasattr(kernels, "diff_ranks_checked")  # the CPU kernels

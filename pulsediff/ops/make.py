@@ -267,7 +267,8 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     records: list[TensorRecord] = []
     base_ids: list[TensorId] = []
     get_target, get_base = target.get, old.get
-    if on_device(scheme, backend):
+    device_mode = on_device(scheme, backend)
+    if device_mode:
         get_target = _getter_on_device(target.get, target.get_device, backend)
         get_base = _getter_on_device(old.get, _device_data_of(old), backend)
 
@@ -303,8 +304,10 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
     # PULSEDIFF_THREADS=1 means one busy thread: then each tensor is encoded where it is read,
     # not on an encoding thread beside the main one's hashing (which made "1 thread" use two
     # cores: issue 27's thread scaling compared two cores with two cores).
-    encoder = _Encoder(pipelined=backend.__name__.endswith(".cpu") and not target.reuses_buffers
-                       and num_threads() > 1)
+    # On the device, the GPU checks and compares on this thread and the entropy coding of what it
+    # found (host arrays only) runs on the encoding threads meanwhile.
+    encoder = _Encoder(pipelined=num_threads() > 1 and (device_mode or backend.__name__.endswith(".cpu")
+                                                        and not target.reuses_buffers))
     ahead = _ReadAhead(old.ckpt, target.prefetch, target.entries)
     try:
         for k, (name, stored_bytes) in enumerate(target.entries):
@@ -319,6 +322,11 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
                                             section=write_section(enc.parts, full.id, enc.params),
                                             target_sum=tgt_sum, scheme=scheme))
                 release(name)
+            elif device_mode:
+                result, tgt_meta, base_meta, held = _compare_on_device(tgt, base, sparse, backend, scheme)
+                del tgt, base  # their device memory (a file's tensors copied over) goes now
+                records.extend(encoder.submit(partial(_code_on_host, result), partial(record_of, tgt_meta, base_meta),
+                                              held))
             else:
                 # Hashing, compare and coding are one task, so that an unchanged tensor (its
                 # hashes equal) does not drain the pipeline: the main thread only reads ahead
@@ -399,6 +407,38 @@ def _check_and_encode(tgt, base, sparse, backend, scheme: DigestScheme, alone: b
         return checks, "same", None
     return checks, "diff", sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
                                               max_changed=max_changed)
+
+
+def _compare_on_device(tgt, base, sparse, backend, scheme: DigestScheme):
+    """_check_and_encode's device half, for make on the device: both tensors' checks and the
+    compare where the pair lives, the coding left to do (sparse.compare_pair: a callable holding
+    the changes on the host). Returns (that result, the target and base as record_of needs them,
+    host bytes the result holds): the tensors without their device bits, which record_of reads
+    only for a tensor carried whole, whose bits then come to the host here."""
+    comparable = base.dtype is tgt.dtype and base.shape == tgt.shape
+    max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+    (tgt_hash, tgt_sum), (base_hash, base_sum) = (scheme.checks(t.bits, backend) for t in (tgt, base))
+    checks = (tgt_hash, tgt_sum, base_hash, base_sum)
+    kind, compared = "full", None
+    if comparable and base_hash == tgt_hash:
+        kind = "same"
+    elif comparable:
+        kind, compared = "diff", sparse.compare_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
+                                                     max_changed=max_changed)
+    whole = kind == "full" or kind == "diff" and compared[1] is None
+    tgt_meta = TensorData(tgt.name, tgt.dtype, tgt.shape, to_host(tgt.bits) if whole else None)
+    base_meta = TensorData(base.name, base.dtype, base.shape, None)
+    held = (tgt.bits.nbytes if whole else 0) + (16 * compared[0] if compared else 0)
+    return (checks, kind, compared), tgt_meta, base_meta, held
+
+
+def _code_on_host(result):
+    """_compare_on_device's result with its coding done: _check_and_encode's result."""
+    checks, kind, compared = result
+    if compared is None:
+        return checks, kind, None
+    changed, code = compared
+    return checks, kind, (changed, None if code is None else code())
 
 
 # How far ahead of the tensor being compared the pair is read into memory (page cache, not
