@@ -223,6 +223,6 @@ def test_patches_with_and_without_word_sums(version):
     state = HostState(tensors, state_dict_digest(tensors))
     advance = state.advance(str(golden / "bf16.ctx-rans.pulsediff"))
     want = load_file(str(golden / "target32.as-bf16.safetensors"))
-    assert advance.status == "applied" and state.digest == state_dict_digest(want)
+    assert advance.status == "applied" and state.digest == state_dict_digest(want, scheme="flat")  # patches before 1.4
     for name, t in want.items():
         assert torch.equal(state.tensors[name].view(torch.int16), t.view(torch.int16)), name
