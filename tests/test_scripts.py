@@ -95,3 +95,15 @@ def test_fuzz_campaign_trials_run_and_find_nothing(tmp_path):
     remote = r["remote_trials"]
     assert remote["problems"] == [], remote
     assert sum(remote["counts"].values()) == 4 and sum(remote["patch_gets"].values()) >= 4, remote
+
+
+def test_bench_digest_times_both_schemes(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "c.safetensors"
+    save_file({"w": torch.arange(200_000, dtype=torch.int32)}, str(path))
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_digest.py"), str(path), "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| tree |" in proc.stdout and "| flat |" in proc.stdout and "tree / flat:" in proc.stdout
