@@ -7,7 +7,7 @@ for several source trees and PULSEDIFF_THREADS values, alternating in one run (i
 Each cell of each round is a fresh process that runs one untimed warm-up and then `--per-process`
 timed calls (their median is the cell's figure); the table gives the median over rounds. A
 `--src` is a source tree (e.g. a `git worktree` of an older commit); the default is this one.
-For apply, the patch is made once with this tree first. Outputs are checked: apply's
+For apply, each tree first makes the patch it applies. Outputs are checked: apply's
 byte-identical to NEW, make's the same bytes for every thread count and round of a tree
 (another tree may write another header).
 """
@@ -76,16 +76,18 @@ def main(argv=None) -> int:
 
 def _measure(args, trees: list[Path], work: Path) -> dict[tuple[int, str], list[float]]:
     """Seconds per (tree's position in `trees`, thread count), one figure per round."""
-    patch = work / "reference.pulsediff"
-    subprocess.run([sys.executable, "-c", "import sys; from pulsediff import make_patch; make_patch(*sys.argv[1:])",
-                    str(args.old), str(args.new), str(patch)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # Each tree applies the patch its own make writes (a tree before format 1.4 cannot read 1.4's).
+    patches = [work / f"reference-{k}.pulsediff" for k in range(len(trees))]
+    for tree, patch in zip(trees, patches):
+        subprocess.run([sys.executable, "-c", "import sys; from pulsediff import make_patch; make_patch(*sys.argv[1:])",
+                        str(args.old), str(args.new), str(patch)], check=True, env={**os.environ, "PYTHONPATH": str(tree)})
     times: dict[tuple[int, str], list[float]] = {}
     digests: dict[int, str] = {}
     for _ in range(args.rounds):
         for k, tree in enumerate(trees):
             for threads in args.threads:
                 env = {**os.environ, "PYTHONPATH": str(tree), "PULSEDIFF_THREADS": threads}
-                out = subprocess.run([sys.executable, "-c", CHILD, args.op, str(args.old), str(args.new), str(patch),
+                out = subprocess.run([sys.executable, "-c", CHILD, args.op, str(args.old), str(args.new), str(patches[k]),
                                       str(work / "out"), str(args.per_process)],
                                      env=env, capture_output=True, text=True)
                 if out.returncode:

@@ -38,9 +38,13 @@ def main() -> None:
         sys.path.insert(0, str(args.tree))
     from pulsediff.errors import PulsediffError
     try:
-        from pulsediff.format.digest import FLAT
         from pulsediff.series.catch_up import catch_up, plan_catch_up
-        empty = FLAT.empty
+        try:
+            from pulsediff.format.digest import FLAT
+            empty = FLAT.empty
+        except ImportError:  # a --tree from before format 1.4's schemes
+            from pulsediff.format.digest import checkpoint_digest
+            empty = checkpoint_digest([])
     except ImportError:  # a --tree from before the package was layered (issue 25)
         from pulsediff.digest import checkpoint_digest
         from pulsediff.series import catch_up, plan_catch_up

@@ -76,13 +76,15 @@ def main(out: Path) -> None:
             out / "base32.safetensors", out / "target32.safetensors", p, precision="bf16", codec=codec, device="cpu"))
 
     expected = {}
+    # Each version's digests as its writer recorded them: flat before 1.4, tree from then on.
+    scheme = "tree" if version_of(out) >= (1, 4) else "flat"
     for codec in codecs:
         expected[f"exact.{codec}.pulsediff"] = {
             "base": "base.safetensors", "target": "target.safetensors",
-            "target_digest": checkpoint_digest_of(out / "target.safetensors")}
+            "target_digest": checkpoint_digest_of(out / "target.safetensors", scheme=scheme)}
         expected[f"bf16.{codec}.pulsediff"] = {
             "base": "base32.safetensors", "target": "target32.as-bf16.safetensors",
-            "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16")}
+            "target_digest": checkpoint_digest_of(out / "target32.safetensors", "bf16", scheme=scheme)}
     if version_of(out) >= (1, 4):
         expected["exact.ctx-rans.flat.pulsediff"] = {
             "base": "base.safetensors", "target": "target.safetensors",
@@ -120,7 +122,8 @@ def _folder_cases(out: Path, g: torch.Generator, expected: dict, codecs: tuple[s
         name = f"exact.folder.{codec}.pulsediff"
         _write_once(out / name, lambda p: make_patch(out / "base_dir", out / "target_dir", p, codec=codec, device="cpu"))
         expected[name] = {"base": "base_dir", "target": "target_dir",
-                          "target_digest": checkpoint_digest_of(out / "target_dir")}
+                          "target_digest": checkpoint_digest_of(out / "target_dir",
+                                                                scheme="tree" if version_of(out) >= (1, 4) else "flat")}
 
 
 if __name__ == "__main__":

@@ -155,10 +155,10 @@ def test_cli_make_and_digest_take_the_scheme(tmp_path):
     assert json.loads(run("digest", new, "--json").stdout)["scheme"] == "tree"
 
 
-def test_a_series_keeps_its_scheme(tmp_path, monkeypatch):
-    """A series begun flat (as before 1.4) grows flat; one begun now is a tree; catch-up follows
-    either; a manifest that mixes them is refused."""
-    import pulsediff.format.manifest as manifest_module
+def test_a_series_keeps_its_scheme(tmp_path):
+    """A series begun flat (publish --digest flat, or before 1.4) grows flat; one begun now is a
+    tree; catch-up follows either; another scheme is refused; a manifest that mixes them is refused."""
+    from pulsediff.errors import UsageError
     from pulsediff.format.manifest import Manifest
     from pulsediff.series.catch_up import catch_up
     from pulsediff.series.publish import publish_once
@@ -175,10 +175,10 @@ def test_a_series_keeps_its_scheme(tmp_path, monkeypatch):
         p.rename(hidden / p.name)
     for name, first in (("flat", FLAT), ("tree", TREE)):
         pub = tmp_path / f"pub-{name}"
-        with monkeypatch.context() as m:
-            m.setattr(manifest_module, "DEFAULT_SCHEME", first)  # how a series began before 1.4
-            publish_once(train, pub, settle=0)
+        publish_once(train, pub, settle=0, **({"digest": "flat"} if first is FLAT else {}))
         assert Manifest.load(pub).scheme is first
+    with pytest.raises(UsageError, match="--digest flat"):
+        publish_once(train, tmp_path / "pub-flat", settle=0, digest="tree")
     for p in hidden.iterdir():
         p.rename(train / p.name)
     for first, name in ((FLAT, "flat"), (TREE, "tree")):
@@ -208,3 +208,31 @@ def test_a_series_keeps_its_scheme(tmp_path, monkeypatch):
     (pub / "manifest.json").write_text(json.dumps(obj))
     with pytest.raises(InvalidManifestError, match="more than one scheme"):
         Manifest.load(pub)
+
+
+def test_unknown_scheme_in_a_manifest_is_said_as_such(tmp_path):
+    from pulsediff.format.manifest import parse_manifest
+
+    entry = {"kind": "anchor", "file": "anchor-1.pulsediff", "step": 1, "from_step": None,
+             "base": "blake3:" + "0" * 32, "target": "blake3:" + "1" * 32, "bytes": 10, "target_bytes": 10}
+    data = json.dumps({"version": 1, "precision": "exact", "entries": [entry]}).encode()
+    with pytest.raises(InvalidManifestError, match="'blake3:'.*newer pulsediff"):
+        parse_manifest(data, "m.json")
+
+
+def test_gpu_tensors_are_hashed_on_the_host_where_the_gpu_kernels_are_not_asked_for(monkeypatch, tmp_path):
+    """A state dict that holds GPU tensors, hashed with device="cpu" (or CUDA kernels that cannot
+    run): host copies, never the device path."""
+    from pulsediff.ops.live import StateDict
+
+    old, _ = _pair(tmp_path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(old))
+
+    def never(*_args):
+        raise AssertionError("device_data called though the GPU kernels were not to run")
+
+    monkeypatch.setattr(StateDict, "on_gpu", property(lambda self: True))
+    monkeypatch.setattr(StateDict, "device_data", never)
+    assert state_dict_digest(tensors, device="cpu") == checkpoint_digest_of(old)

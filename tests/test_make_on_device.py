@@ -129,6 +129,7 @@ def test_live_cuda_tensors_are_hashed_where_they_are(tmp_path, monkeypatch):
         return TensorData(name, self.entry(name).dtype, self.entry(name).shape, numba_cuda.to_device(bits))
 
     monkeypatch.setattr(StateDict, "device_data", on_device)
+    monkeypatch.setattr(StateDict, "on_gpu", property(lambda self: True))
     from pulsediff.kernels import cuda
 
     with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
@@ -139,3 +140,29 @@ def test_live_cuda_tensors_are_hashed_where_they_are(tmp_path, monkeypatch):
         seen.clear()
         assert state_dict_digest(new, scheme="flat") == checkpoint_digest_of(tmp_path / "new.safetensors", scheme="flat")
         assert not seen
+
+
+def test_auto_takes_the_gpu_for_gpu_state_dicts_only(tmp_path, monkeypatch):
+    """device "auto" (the default): make runs on the device for a state dict holding GPU tensors
+    (seen so here), on the CPU for files, and on the CPU for anything under the flat scheme."""
+    from pulsediff.kernels import cuda
+    from pulsediff.ops import make as make_module
+    from pulsediff.ops.live import StateDict
+
+    old, new = _state_dicts(15)
+    monkeypatch.setattr(StateDict, "on_gpu", property(lambda self: True))
+    chosen = []
+    real = make_module.on_device
+    monkeypatch.setattr(make_module, "on_device", lambda scheme, backend: chosen.append(real(scheme, backend)) or
+                        chosen[-1])
+    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+        make_patch(old, new, tmp_path / "a.pulsediff")
+        make_patch(old, new, tmp_path / "b.pulsediff", digest="flat")
+        make_patch(old, new, tmp_path / "c.pulsediff", device="cpu")
+    assert chosen == [True, False, False]
+    save_file(old, str(tmp_path / "old.safetensors"))
+    save_file(new, str(tmp_path / "new.safetensors"))
+    make_patch(tmp_path / "old.safetensors", tmp_path / "new.safetensors", tmp_path / "d.pulsediff")
+    assert chosen[-1] is False
+    assert (tmp_path / "a.pulsediff").read_bytes() == (tmp_path / "c.pulsediff").read_bytes() \
+        == (tmp_path / "d.pulsediff").read_bytes()

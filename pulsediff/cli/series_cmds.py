@@ -43,6 +43,9 @@ def publish(
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
+    digest: Annotated[Optional[Literal["tree", "flat"]], typer.Option("--digest", metavar="SCHEME", help="How a new "
+                      "series hashes tensors: tree (the default) or flat (for workers older than pulsediff's format "
+                      "1.4). A series keeps the scheme it began with.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Judge every checkpoint as a real run would and "
                        "list the files it would publish (and prune with --keep); make and write nothing.")] = False,
     sign: Annotated[Optional[Path], typer.Option("--sign", metavar="KEYFILE", help="Sign every manifest written "
@@ -69,7 +72,7 @@ def publish(
     total = run(train_dir, out_dir, watch=watch, interval=interval, idle_exit=idle_exit, on_report=said,
                 anchor_every=anchor_every, keep=keep, skips=not no_skips, precision=precision, codec=codec, device=device,
                 pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, sign=sign, trust=trust or None,
-                trust_state=trust_state, progress=out.progress(), **({"dry_run": True} if dry_run else {}))
+                trust_state=trust_state, progress=out.progress(), digest=digest, **({"dry_run": True} if dry_run else {}))
     if as_json:
         out.json({"out_dir": str(out_dir), "steps": total.steps, "patches": total.patches, "anchors": total.anchors,
                   "pruned": total.pruned,

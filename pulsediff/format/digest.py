@@ -206,6 +206,19 @@ def is_digest(value: object) -> bool:
     return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
 
+# A digest of a scheme a later version may add: a lowercase letter and up to 15 more lowercase
+# letters or digits, a colon, 32 hex digits (FORMAT.md §3).
+_ANY_SCHEME = re.compile(r"([a-z][a-z0-9]{0,15}:)[0-9a-f]{32}")
+
+
+def unknown_scheme(value: object) -> str | None:
+    """The prefix of a value that is a digest of a scheme this version does not know, else None."""
+    if not isinstance(value, str) or is_digest(value):
+        return None
+    match = _ANY_SCHEME.fullmatch(value)
+    return match.group(1) if match else None
+
+
 def scheme_of(digest: str) -> DigestScheme:
     """The scheme a well-formed digest (is_digest) was taken under."""
     for scheme in SCHEMES.values():

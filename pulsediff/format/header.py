@@ -8,19 +8,16 @@ the code can trust it. `to_json` is its exact inverse.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
 from pulsediff.codecs import get_codec
-from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, is_digest, is_tensor_hash, is_word_sum, scheme_of
+from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, is_digest, is_tensor_hash, is_word_sum, scheme_of, unknown_scheme
 from pulsediff.io.dtypes import DType, lookup
 from pulsediff.errors import CorruptPatchError, UnknownSchemeError
 from pulsediff.io.folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
 from pulsediff.format.container import MAX_NAME_BYTES, MAX_NDIM, MAX_SECTION_BYTES, MAX_TENSORS, SectionRef
 
-# A digest of a scheme a later version may add: a name, a colon, 32 hex digits (FORMAT.md §3).
-_UNKNOWN_SCHEME = re.compile(r"([a-z][a-z0-9]{0,15}:)[0-9a-f]{32}")
 OPS = ("same", "patch", "full")  # copy the base tensor / decode against it / carried whole
 LAYOUT_KINDS = ("file", "dir")
 LAYOUT_CODEC = "zstd"  # the layout blob is one zstd frame of `Layout.blob_len` bytes
@@ -205,9 +202,9 @@ class _Parser:
         target_digest = self.get(target, "digest", str, "target")
         for digest in (base_digest, target_digest):
             if not is_digest(digest):
-                unknown = _UNKNOWN_SCHEME.fullmatch(digest)
+                unknown = unknown_scheme(digest)
                 if unknown:  # a later version's hashes: not damage, and not a wrong base either
-                    raise UnknownSchemeError(self.source, unknown.group(1))
+                    raise UnknownSchemeError(self.source, unknown)
                 raise self.fail("digest is malformed")
         if scheme_of(base_digest) != scheme_of(target_digest):
             raise self.fail("base.digest and target.digest are of different schemes")

@@ -37,7 +37,7 @@ from pathlib import Path
 from pulsediff.io import strict_json
 from pulsediff.io.atomic import StagedFiles
 from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
-from pulsediff.format.digest import DEFAULT_SCHEME, EMPTY_DIGESTS, DigestScheme, is_digest, scheme_of
+from pulsediff.format.digest import DEFAULT_SCHEME, EMPTY_DIGESTS, DigestScheme, is_digest, scheme_of, unknown_scheme
 from pulsediff.errors import InvalidManifestError, OutsideLinkError
 
 MANIFEST = "manifest.json"
@@ -98,6 +98,7 @@ class Manifest:
     entries: list[Entry]
     serial: int = 0  # one more at every manifest the publisher writes: a worker's rollback check compares it
     series: str | None = None  # a signed series' id, fixed at its first manifest: a worker pins it per source
+    first_scheme: DigestScheme | None = None  # a series without entries yet: the scheme it will begin with
 
     def to_json(self) -> dict:
         head = {"version": MANIFEST_VERSION} | ({"series": self.series} if self.series is not None else {})
@@ -123,9 +124,11 @@ class Manifest:
 
     @property
     def scheme(self) -> DigestScheme:
-        """The digest scheme of the series' entries (they share one); the default for a series
-        without entries yet."""
-        return scheme_of(self.entries[0].target) if self.entries else DEFAULT_SCHEME
+        """The digest scheme of the series' entries (they share one); for a series without entries
+        yet, the one it will begin with (first_scheme, else the default)."""
+        if self.entries:
+            return scheme_of(self.entries[0].target)
+        return self.first_scheme or DEFAULT_SCHEME
 
     @property
     def newest(self) -> Entry | None:
@@ -252,6 +255,10 @@ def _entry(e: object, i: int, fail) -> Entry:
             raise fail(f"{where} ({name}) goes from step {from_step} to step {step}: patches go forward")
     base, target = e.get("base"), e.get("target")
     if not (is_digest(base) and is_digest(target)):
+        unknown = unknown_scheme(base) or unknown_scheme(target)
+        if unknown:
+            raise fail(f"{where} has digests of scheme {unknown!r}, which this pulsediff does not know; "
+                       "the series needs a newer pulsediff")
         raise fail(f"{where} has a malformed digest")
     if scheme_of(base) != scheme_of(target):
         raise fail(f"{where} has digests of two schemes")

@@ -339,7 +339,8 @@ class TensorData:
     name: str
     dtype: DType
     shape: tuple[int, ...]
-    bits: np.ndarray  # 1-D, unsigned ints of dtype.itemsize bytes, C-contiguous and aligned
+    bits: np.ndarray  # 1-D, unsigned ints of dtype.itemsize bytes, C-contiguous and aligned (make on the device:
+    # a Numba device array; the copies its records are made from hold None where unused)
 
 
 class TensorView:

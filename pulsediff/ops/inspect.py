@@ -10,9 +10,11 @@ from pulsediff.errors import UsageError
 from pulsediff.runtime.progress import SILENT, Progress
 
 
-def tensor_ids(view: TensorView, progress: Progress = SILENT,
-               scheme: DigestScheme = DEFAULT_SCHEME) -> dict[str, TensorId]:
-    """Name, dtype, shape and hash (under `scheme`) of every tensor as the view sees it."""
+def tensor_ids(view: TensorView, progress: Progress = SILENT, scheme: DigestScheme = DEFAULT_SCHEME,
+               device: str | None = None) -> dict[str, TensorId]:
+    """Name, dtype, shape and hash (under `scheme`) of every tensor as the view sees it. Tensors in
+    GPU memory (a state dict's) are hashed there under the tree, unless `device` is "cpu" or the
+    CUDA kernels cannot run ("auto" says so once): then on host copies."""
     from pulsediff.kernels.threads import num_threads, parallel_map
 
     ckpt = view.ckpt
@@ -21,16 +23,18 @@ def tensor_ids(view: TensorView, progress: Progress = SILENT,
     names = list(ckpt.names)
     # Live CUDA tensors under the tree: hashed where they are (ops.live.StateDict.device_data),
     # never copied to the host.
-    device_data = getattr(ckpt, "device_data", None) if scheme.tree else None
+    gpu = None
+    if scheme.tree and getattr(ckpt, "on_gpu", False):
+        from pulsediff.kernels import backend_for_gpu_data
+
+        gpu = backend_for_gpu_data(device)
     on_host = []
     for name in names:
-        t = device_data(name, view.precision) if device_data is not None else None
+        t = ckpt.device_data(name, view.precision) if gpu is not None else None
         if t is None:
             on_host.append(name)
             continue
-        from pulsediff.kernels import cuda_backend
-
-        ids[name] = TensorId(name, t.dtype.name, t.shape, scheme.tensor_hash(t.bits, cuda_backend()))
+        ids[name] = TensorId(name, t.dtype.name, t.shape, scheme.tensor_hash(t.bits, gpu))
         progress.advance(ckpt.entry(name).nbytes)
     names = on_host
     batch = num_threads()  # tensors hashed at once (XXH3 releases the GIL); casts keep a batch in memory

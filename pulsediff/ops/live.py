@@ -118,11 +118,17 @@ class StateDict(Checkpoint):
     def raw_bytes(self, name: str) -> np.ndarray:
         return host_bytes(self._tensors[name])
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether any tensor lives in GPU memory."""
+        return any(t.device.type == "cuda" for t in self._tensors.values())
+
     def device_data(self, name: str, precision: str):
         """The tensor as TensorView(self, precision).get sees it, its bits a Numba device array
         over the CUDA tensor's own memory (no copy); None for a tensor on the CPU, or one that
         the view casts to BF16 (the cast is the host's: torch's CUDA cast may give NaNs other
-        bits than its CPU cast, and a digest must not depend on where it was taken)."""
+        bits than its CPU cast, and a digest must not depend on where it was taken). Only for a
+        caller that has the CUDA kernels (kernels.backend_for_gpu_data)."""
         from pulsediff.io.checkpoint import TensorData
 
         t = self._tensors[name]
@@ -142,13 +148,15 @@ def open_source(source) -> Checkpoint:
     return StateDict(source) if isinstance(source, Mapping) else open_checkpoint(source)
 
 
-def state_dict_digest(tensors: Mapping, precision: str = "exact", scheme: str | DigestScheme = DEFAULT_SCHEME) -> str:
+def state_dict_digest(tensors: Mapping, precision: str = "exact", scheme: str | DigestScheme = DEFAULT_SCHEME,
+                      device: str | None = None) -> str:
     """The digest a patch records for these tensors as base or target (same as for the saved file),
-    under `scheme` (its name, "tree" or "flat", or itself)."""
+    under `scheme` (its name, "tree" or "flat", or itself). Tensors in GPU memory are hashed there
+    under the tree (tensor_ids; `device` "cpu": on host copies)."""
     from pulsediff.ops.inspect import digest_scheme, tensor_ids
 
     scheme = digest_scheme(scheme)
-    return scheme.digest(tensor_ids(TensorView(StateDict(tensors), precision), scheme=scheme).values())
+    return scheme.digest(tensor_ids(TensorView(StateDict(tensors), precision), scheme=scheme, device=device).values())
 
 
 @dataclass(frozen=True)
@@ -316,7 +324,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
             return apply_by_sums(views, reader, header, undo, known, aliases)
         known.clear()
         scheme = header.scheme
-        ids = tensor_ids(TensorView(live, header.precision), scheme=scheme)
+        ids = tensor_ids(TensorView(live, header.precision), scheme=scheme, device=device)
         digest = scheme.digest(ids.values())
         if digest == header.target_digest:
             return _Step("up-to-date", digest, set(), 0)

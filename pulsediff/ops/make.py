@@ -127,6 +127,17 @@ def _device_data_of(view: TensorView):
     return lambda name: view.ckpt.device_data(name, view.precision)
 
 
+def _backend_for(device: str | None, scheme: DigestScheme, inputs: list) -> object:
+    """The kernels make runs on: for state dicts with tensors in GPU memory under the tree, the
+    GPU's where it can run ("auto"; kernels.backend_for_gpu_data); else get_backend's (the CPU
+    for "auto": files and CPU tensors are compared where they are)."""
+    from pulsediff.kernels import backend_for_gpu_data, cpu_backend
+
+    if scheme.tree and any(getattr(ckpt, "on_gpu", False) for ckpt in inputs):
+        return backend_for_gpu_data(device) or cpu_backend()
+    return get_backend(device)
+
+
 def on_device(scheme: DigestScheme, backend) -> bool:
     """Whether make runs where a GPU holds the tensors: the CUDA backend, and hashes a GPU can take
     (the tree). Then each tensor is on the device once (a live CUDA tensor in place; else copied
@@ -214,8 +225,8 @@ def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str
                 progress: Progress, scheme: DigestScheme = DEFAULT_SCHEME) -> PatchHeader:
     """Diff checkpoint `old` (None: empty) against `target` and write the patch to `out`, its
     tensors hashed under `scheme`."""
-    backend = get_backend(device)
     with open_source(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
+        backend = _backend_for(device, scheme, [old_ckpt, *(target.inputs or ())])
         header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress, scheme)
         inputs = [old_ckpt, *target.inputs] if target.inputs is not None else None
         check_inputs(inputs)  # an input that shrank while read gave zeros: no patch is made of them
@@ -396,10 +407,7 @@ def _check_and_encode(tgt, base, sparse, backend, scheme: DigestScheme, alone: b
                 max_changed=max_changed)
         checks = (tgt_hasher.hexdigest(), format_word_sum(tgt_sum), base_hasher.hexdigest(), format_word_sum(base_sum))
         return checks, ("same" if changed == 0 else "diff"), (changed, enc)
-    if on_device(scheme, backend):  # one launch after another on this thread's CUDA context
-        (tgt_hash, tgt_sum), (base_hash, base_sum) = (scheme.checks(t.bits, backend) for t in (tgt, base))
-    else:
-        (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(scheme.checks, [(tgt.bits,), (base.bits,)])
+    (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(scheme.checks, [(tgt.bits,), (base.bits,)])
     checks = (tgt_hash, tgt_sum, base_hash, base_sum)
     if not comparable:
         return checks, "full", None
@@ -428,7 +436,9 @@ def _compare_on_device(tgt, base, sparse, backend, scheme: DigestScheme):
     whole = kind == "full" or kind == "diff" and compared[1] is None
     tgt_meta = TensorData(tgt.name, tgt.dtype, tgt.shape, to_host(tgt.bits) if whole else None)
     base_meta = TensorData(base.name, base.dtype, base.shape, None)
-    held = (tgt.bits.nbytes if whole else 0) + (16 * compared[0] if compared else 0)
+    # Host bytes the pending coding holds: the whole target, or its changes' zigzag, class (2 B) and
+    # rank (8 B) arrays.
+    held = tgt.bits.nbytes if whole else (compared[0] * (tgt.dtype.itemsize + 10) if compared else 0)
     return (checks, kind, compared), tgt_meta, base_meta, held
 
 
@@ -500,8 +510,9 @@ class _Encoder:
     by side, as many at once as there are worker threads (their compares
     share the kernel threads). `submit` hands over one tensor and returns the
     records finished by then, oldest first, so sections are written in
-    order; `finish` waits for all. Not pipelined (`pipelined` False, e.g. on
-    the CUDA backend), each encoding runs at once.
+    order; `finish` waits for all. Not pipelined (`pipelined` False: one
+    thread, or buffers that the next read reuses), each encoding runs at once.
+    On the device, what runs here is the coding alone (_code_on_host).
     """
 
     def __init__(self, pipelined: bool):

@@ -410,7 +410,7 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
         goal = step_entry(manifest, step, store.location)
         if digest is None or not digest.startswith(manifest.scheme.prefix):
             # Unknown, or known under the other scheme (a state loaded now, a series begun before 1.4).
-            digest = state_dict_digest(tensors, manifest.precision, manifest.scheme)
+            digest = state_dict_digest(tensors, manifest.precision, manifest.scheme, device)
         if digest == goal.target:
             return LiveCatchUp("up-to-date", goal.step, 0, 0, digest)
         # With trust, every local file is copied while hashed and applied from that private copy: one swapped

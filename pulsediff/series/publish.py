@@ -68,7 +68,7 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
                  skips: bool = True, precision: str = "exact", codec: str | None = None, device: str | None = None,
                  pattern: str = DEFAULT_STEP_PATTERN, ready: str = "stable", settle: float = DEFAULT_SETTLE,
                  progress: Progress = SILENT, dry_run: bool = False, sign=None, trust=None,
-                 trust_state: Path | None = None, empty_ok: bool = False) -> PublishReport:
+                 trust_state: Path | None = None, empty_ok: bool = False, digest: str | None = None) -> PublishReport:
     """Publish every complete checkpoint newer than the manifest's newest step, in step order.
 
     Stops at the first step that is not complete yet (see above), so steps are
@@ -84,6 +84,8 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
     A training folder without a checkpoint raises TrainingFolderError, unless
     `empty_ok` (a watch started before its trainer saved): then the report's
     `found` is 0. A folder that is one checkpoint is refused either way.
+    `digest`: the digest scheme of a new series ("tree", the default, or "flat", which workers
+    older than format 1.4 read); a series keeps the one it began with, and another is refused.
     """
     if anchor_every < 1:
         raise UsageError("--anchor-every must be at least 1")
@@ -99,7 +101,7 @@ def publish_once(train_dir: Path, out_dir: "Path | str | Store", *, anchor_every
     try:
         return _publish_once(train_dir, dest, anchor_every=anchor_every, keep=keep, skips=skips, precision=precision,
                              codec=codec, device=device, pattern=pattern, ready=ready, settle=settle, progress=progress,
-                             dry_run=dry_run, signing=signing, empty_ok=empty_ok)
+                             dry_run=dry_run, signing=signing, empty_ok=empty_ok, digest=digest)
     finally:
         if dest is not out_dir:
             dest.close()
@@ -174,13 +176,20 @@ def _save_manifest(dest: Store, manifest: Manifest, signing: "_Signing | None") 
 
 
 def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, precision, codec, device, pattern, ready,
-                  settle, progress, dry_run=False, signing=None, empty_ok=False) -> PublishReport:
-    from pulsediff.ops.inspect import checkpoint_digest_of
+                  settle, progress, dry_run=False, signing=None, empty_ok=False, digest=None) -> PublishReport:
+    from pulsediff.ops.inspect import checkpoint_digest_of, digest_scheme
     from pulsediff.ops.make import make_patch
 
     manifest = _read_dest_manifest(dest, signing) or Manifest(precision, [])
     if manifest.precision != precision:
         raise UsageError(f"{dest.location} holds {manifest.precision} patches; publish with --precision {manifest.precision}")
+    if digest is not None:
+        asked = digest_scheme(digest)
+        if not manifest.entries:
+            manifest.first_scheme = asked
+        elif asked is not manifest.scheme:
+            raise UsageError(f"{dest.location} holds {manifest.scheme.name}-hashed patches (its chains link by "
+                             f"digest); publish with --digest {manifest.scheme.name}")
     # A series keeps the digest scheme it started with: its chains link by digest.
     kwargs = {"precision": precision, "device": device, "digest": manifest.scheme.name}
     if codec:
