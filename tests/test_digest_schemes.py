@@ -26,7 +26,8 @@ def test_tree_hasher_fed_in_any_pieces_is_the_tree_hash():
     """Pieces that cut chunks anywhere, bytes and memoryviews among them, give tree_hash, which
     is the plain reference's."""
     rng = np.random.default_rng(7)
-    for n in (0, 1, 63, TREE_CHUNK_BYTES - 1, TREE_CHUNK_BYTES, TREE_CHUNK_BYTES + 1, 3 * TREE_CHUNK_BYTES + 77):
+    for n in (0, 1, 63, TREE_CHUNK_BYTES - 1, TREE_CHUNK_BYTES, TREE_CHUNK_BYTES + 1, 3 * TREE_CHUNK_BYTES + 77,
+              9 * TREE_CHUNK_BYTES + 5):  # the last spread over the worker threads
         data = rng.integers(0, 256, n, dtype=np.uint8)
         want = tree_hash_ref(data)
         assert TREE.tensor_hash(data) == want
