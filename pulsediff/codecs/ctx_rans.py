@@ -324,7 +324,7 @@ class CtxRans(Codec):
         zigzag, classes, ranks, _ = kernels.diff_ranks(base, target, shift, (1 << bits) - 1)
         if max_changed is not None and zigzag.size > max_changed:
             return zigzag.size, None
-        # Device arrays in (kernels.cuda): only these compact entries cross to the host.
+        # Device arrays in (the CUDA backend): only these compact entries cross to the host.
         zigzag, classes, ranks = to_host(zigzag), to_host(classes), to_host(ranks)
         return zigzag.size, partial(self._encode_ranked, classes, ranks, zigzag, shift, bits)
 
