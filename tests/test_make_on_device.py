@@ -64,9 +64,10 @@ def test_make_on_the_device_is_make_on_the_cpu_byte_for_byte(tmp_path, monkeypat
         raise AssertionError("a host kernel ran in make on the device")
 
     with monkeypatch.context() as m:
-        for name in ("diff_ranks", "diff_ranks_checked", "diff_compact", "chunk_digests", "chunk_checks", "word_sum"):
+        for name in ("diff_ranks", "diff_ranks_checked", "diff_compact", "chunk_digests", "word_sum"):
             m.setattr(cpu, name, host_only)
-        m.setattr(digest, "_flat_checks", host_only)
+        for name in ("_flat_checks", "_tree_on_host"):
+            m.setattr(digest, name, host_only)
         for sources in ((old, new), (tmp_path / "old.safetensors", tmp_path / "new.safetensors")):
             on_gpu = tmp_path / "gpu.pulsediff"
             with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():

@@ -102,28 +102,36 @@ def tree_hash(bits, backend=None, chunk: int | None = None) -> str:
     default, across its threads; kernels.cuda reads a device array in place). `chunk`: another
     chunk size, for tests."""
     if backend is None or backend.__name__.endswith(".cpu"):
-        return _tree_hash_on_host(_raw(bits), chunk or TREE_CHUNK_BYTES)
+        return _tree_on_host(_raw(bits), chunk or TREE_CHUNK_BYTES, with_sum=False)[0]
     return _root_of_rows(bits.nbytes, backend.chunk_digests(bits, chunk or TREE_CHUNK_BYTES))
 
 
-def _leaves(raw: np.ndarray, lo: int, hi: int, chunk: int) -> bytes:
-    """The canonical leaves of chunks [lo, hi), joined (xxhash's digest() is the canonical form)."""
-    view = memoryview(raw)
-    return b"".join([xxhash.xxh3_128_digest(view[c * chunk:(c + 1) * chunk]) for c in range(lo, hi)])
+def _leaves(raw: np.ndarray, lo: int, hi: int, chunk: int, with_sum: bool) -> tuple[bytes, int]:
+    """The canonical leaves of chunks [lo, hi), joined (xxhash's digest() is the canonical form),
+    and with `with_sum` those chunks' part of the word sum, each taken from cache right after its
+    leaf read the chunk (chunks are whole words, so the parts add up)."""
+    from pulsediff.kernels.cpu import word_sum_part
+
+    view, leaves, total = memoryview(raw), [], 0
+    for c in range(lo, hi):
+        leaves.append(xxhash.xxh3_128_digest(view[c * chunk:(c + 1) * chunk]))
+        if with_sum:
+            total += word_sum_part(raw, c * chunk, (c + 1) * chunk)
+    return b"".join(leaves), total
 
 
-def _tree_hash_on_host(raw: np.ndarray, chunk: int) -> str:
-    """The tree hash of host bytes: the leaves straight from xxhash as bytes, spread over the
-    worker threads where this runs on the caller's thread (kernels.cpu.chunk_digests' rows, the
-    form a device returns, cost 22% more in conversions: 1 GB checkpoint, 2 threads)."""
+def _tree_on_host(raw: np.ndarray, chunk: int, with_sum: bool) -> tuple[str, int]:
+    """The tree hash of host bytes and, with `with_sum`, their word sum (else 0): the leaves
+    straight from xxhash as bytes, spread over the worker threads where this runs on the
+    caller's thread (kernels.cpu.chunk_digests' rows, the form a device returns, cost 22% more
+    in conversions: 1 GB checkpoint, 2 threads)."""
     from pulsediff.kernels.cpu import chunk_ranges
     from pulsediff.kernels.threads import num_threads, parallel_map, serial
 
     m = -(-raw.size // chunk)
-    if serial() or m <= 4:
-        return tree_root(raw.size, _leaves(raw, 0, m, chunk))
-    parts = parallel_map(_leaves, [(raw, lo, hi, chunk) for lo, hi in chunk_ranges(m, min(m, num_threads()))])
-    return tree_root(raw.size, b"".join(parts))
+    ranges = [(0, m)] if serial() or m <= 4 else chunk_ranges(m, min(m, num_threads()))
+    parts = parallel_map(_leaves, [(raw, lo, hi, chunk, with_sum) for lo, hi in ranges])
+    return tree_root(raw.size, b"".join(p[0] for p in parts)), sum(p[1] for p in parts) & 0xFFFFFFFFFFFFFFFF
 
 
 def _root_of_rows(nbytes: int, rows) -> str:
@@ -155,11 +163,8 @@ def _flat_checks(bits) -> tuple[str, str]:
 
 
 def _tree_checks(bits) -> tuple[str, str]:
-    from pulsediff.kernels.cpu import chunk_checks
-
-    # Each chunk summed right after its leaf is hashed, from cache; chunks across the threads.
-    rows, total = chunk_checks(bits, TREE_CHUNK_BYTES)
-    return _root_of_rows(bits.nbytes, rows), format_word_sum(total)
+    digest, total = _tree_on_host(_raw(bits), TREE_CHUNK_BYTES, with_sum=True)
+    return digest, format_word_sum(total)
 
 
 @dataclass(frozen=True)

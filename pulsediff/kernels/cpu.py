@@ -715,30 +715,17 @@ def xxh3_leaf(buffer) -> tuple[int, int]:
 def chunk_digests(data: np.ndarray, chunk: int = DIGEST_CHUNK_BYTES) -> np.ndarray:
     """XXH3-128 of each `chunk` bytes of the array's bytes (C order; the last chunk may be
     shorter), as rows of (low 64 bits, high 64 bits), uint64; no rows for an empty array."""
-    return _chunk_leaves(data, chunk, with_sum=False)[0]
-
-
-def chunk_checks(data: np.ndarray, chunk: int = DIGEST_CHUNK_BYTES) -> tuple[np.ndarray, int]:
-    """chunk_digests and, in the same read of each chunk (from cache), the array's word sum."""
-    return _chunk_leaves(data, chunk, with_sum=True)
-
-
-def _chunk_leaves(data: np.ndarray, chunk: int, with_sum: bool) -> tuple[np.ndarray, int]:
     check_digest_chunk(chunk)
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     m = -(-raw.size // chunk)
     out = np.empty((m, 2), np.uint64)
 
-    def leaves(lo: int, hi: int) -> int:
-        total = 0
+    def leaves(lo: int, hi: int) -> None:
         for c in range(lo, hi):
             out[c] = xxh3_leaf(raw[c * chunk:(c + 1) * chunk])
-            if with_sum:  # chunks are whole words (check_digest_chunk), so the parts add up
-                total += word_sum_part(raw, c * chunk, (c + 1) * chunk)
-        return total
 
-    parts = parallel_map(leaves, chunk_ranges(m, min(m, num_threads())) if m else [])
-    return out, sum(parts) & 0xFFFFFFFFFFFFFFFF
+    parallel_map(leaves, chunk_ranges(m, min(m, num_threads())) if m else [])
+    return out
 
 
 # -- ranked positions and in-place updates: patching live tensors --------------------

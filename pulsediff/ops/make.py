@@ -395,8 +395,6 @@ def _check_and_encode(tgt, base, sparse, backend, scheme: DigestScheme, alone: b
     base hash, base sum), "same" | "full" | "diff", encode_pair's result).
     `alone`: run the kernels on this thread only (a small tensor while others are encoded)."""
     comparable = base.dtype is tgt.dtype and base.shape == tgt.shape
-    # Sparse while the changes cost less than the dense tensor at a plain gap code's rate.
-    max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
     if comparable and sparse.fuses_checks(backend):
         # The checks in the compare's own read of the pair: each byte crosses the memory bus
         # once instead of twice (issue 27).
@@ -404,17 +402,29 @@ def _check_and_encode(tgt, base, sparse, backend, scheme: DigestScheme, alone: b
         with inline() if alone else nullcontext():
             changed, enc, base_sum, tgt_sum = sparse.encode_pair_checked(
                 base.bits, tgt.bits, base_hasher, tgt_hasher, dtype=tgt.dtype, kernels=backend,
-                max_changed=max_changed)
+                max_changed=_max_changed(tgt))
         checks = (tgt_hasher.hexdigest(), format_word_sum(tgt_sum), base_hasher.hexdigest(), format_word_sum(base_sum))
         return checks, ("same" if changed == 0 else "diff"), (changed, enc)
     (tgt_hash, tgt_sum), (base_hash, base_sum) = parallel_map(scheme.checks, [(tgt.bits,), (base.bits,)])
-    checks = (tgt_hash, tgt_sum, base_hash, base_sum)
-    if not comparable:
+    return _code_on_host(_compared(tgt, base, sparse, backend, (tgt_hash, tgt_sum, base_hash, base_sum)))
+
+
+def _max_changed(tgt) -> int:
+    """Sparse while the changes cost less than the dense tensor at a plain gap code's rate."""
+    return (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
+
+
+def _compared(tgt, base, sparse, backend, checks):
+    """After both tensors' checks (target hash, target sum, base hash, base sum): "full" for a base
+    of another dtype or shape, "same" for equal hashes (they stand for equal bits, as they do for
+    the digests: no compare), else "diff" with sparse.compare_pair's result, its coding left to
+    do. Returns (checks, kind, that result or None)."""
+    if not (base.dtype is tgt.dtype and base.shape == tgt.shape):
         return checks, "full", None
-    if base_hash == tgt_hash:
+    if checks[2] == checks[0]:
         return checks, "same", None
-    return checks, "diff", sparse.encode_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
-                                              max_changed=max_changed)
+    return checks, "diff", sparse.compare_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
+                                               max_changed=_max_changed(tgt))
 
 
 def _compare_on_device(tgt, base, sparse, backend, scheme: DigestScheme):
@@ -423,27 +433,20 @@ def _compare_on_device(tgt, base, sparse, backend, scheme: DigestScheme):
     the changes on the host). Returns (that result, the target and base as record_of needs them,
     host bytes the result holds): the tensors without their device bits, which record_of reads
     only for a tensor carried whole, whose bits then come to the host here."""
-    comparable = base.dtype is tgt.dtype and base.shape == tgt.shape
-    max_changed = (tgt.bits.nbytes - 1) // (gap_width(tgt.bits.size) + tgt.dtype.itemsize)
     (tgt_hash, tgt_sum), (base_hash, base_sum) = (scheme.checks(t.bits, backend) for t in (tgt, base))
-    checks = (tgt_hash, tgt_sum, base_hash, base_sum)
-    kind, compared = "full", None
-    if comparable and base_hash == tgt_hash:
-        kind = "same"
-    elif comparable:
-        kind, compared = "diff", sparse.compare_pair(base.bits, tgt.bits, dtype=tgt.dtype, kernels=backend,
-                                                     max_changed=max_changed)
+    result = _compared(tgt, base, sparse, backend, (tgt_hash, tgt_sum, base_hash, base_sum))
+    _, kind, compared = result
     whole = kind == "full" or kind == "diff" and compared[1] is None
     tgt_meta = TensorData(tgt.name, tgt.dtype, tgt.shape, to_host(tgt.bits) if whole else None)
     base_meta = TensorData(base.name, base.dtype, base.shape, None)
     # Host bytes the pending coding holds: the whole target, or its changes' zigzag, class (2 B) and
     # rank (8 B) arrays.
     held = tgt.bits.nbytes if whole else (compared[0] * (tgt.dtype.itemsize + 10) if compared else 0)
-    return (checks, kind, compared), tgt_meta, base_meta, held
+    return result, tgt_meta, base_meta, held
 
 
 def _code_on_host(result):
-    """_compare_on_device's result with its coding done: _check_and_encode's result."""
+    """_compared's result with its coding done: _check_and_encode's result."""
     checks, kind, compared = result
     if compared is None:
         return checks, kind, None
