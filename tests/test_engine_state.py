@@ -103,6 +103,50 @@ def test_a_step_older_than_the_state_goes_back_through_an_anchor(series):
     assert_at(state, train, 2)
 
 
+@pytest.mark.parametrize("how", ["series chain", "back through an anchor", "lone patch"])
+def test_a_staged_update_is_taken_back_exactly_or_kept(series, how):
+    """advance(stage=True) then revert(): tensors, digest, step and kept word sums as they were (the
+    vLLM backend's ranks take back an update another rank refused); then commit() keeps one."""
+    train, outbox = series
+    start, source, step, target = {"series chain": (1, str(outbox), None, STEPS),
+                                   "back through an anchor": (STEPS, str(outbox), 2, 2),
+                                   "lone patch": (1, str(outbox / "patch-00000001-00000002.pulsediff"), None, 2)}[how]
+    state = load_host_state(train / "step_000000")
+    state.advance(str(outbox), start)  # a step, and the word sums it kept
+    assert state.step == start and state.sums
+    before, fields = snapshot(state), (state.step, dict(state.sums))
+    advance = state.advance(source, step, stage=True)
+    assert advance.status == "applied" and state.staged is not None
+    assert_at(state, train, target)
+    with pytest.raises(RuntimeError, match="staged"):  # one stage at a time
+        state.advance(source, step)
+    state.revert()
+    assert_unchanged(state, before)
+    assert (state.step, state.sums, state.staged) == (*fields, None)
+    state.revert()  # nothing staged: nothing to do
+    assert_unchanged(state, before)
+    # The state goes on from where it was, by its kept sums, and a committed stage stays.
+    state.advance(source, step, stage=True)
+    state.commit()
+    assert_at(state, train, target)
+    assert state.staged is None
+    state.revert()
+    assert_at(state, train, target)
+
+
+def test_a_refused_staged_update_leaves_nothing_staged(series, tmp_path):
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    before = snapshot(state)
+    with pytest.raises(PulsediffError):
+        state.advance(str(outbox), 99, stage=True)
+    assert state.staged is None
+    assert_unchanged(state, before)
+    state.advance(str(outbox), 1, stage=True)  # not blocked by the refused one
+    state.commit()
+    assert_at(state, train, 1)
+
+
 def corrupt(path: Path, where: float) -> None:
     data = bytearray(path.read_bytes())
     data[int(len(data) * where)] ^= 0x20

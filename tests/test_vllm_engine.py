@@ -166,16 +166,33 @@ def test_tied_llama_with_plain_weights_takes_sparse_in_place_updates(tmp_path_fa
     same_engine(observed(live, "newest"), observed(fresh, "fresh"))
 
 
-def test_tensor_parallel_2_ranks_each_bit_for_bit(qwen2, tmp_path):
+def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_path):
     """Two tensor-parallel workers (vLLM's CPU backend runs them here, one core each): each worker decodes
     against its own host copy, and the model's loader shards the checkpoint tensors; every rank's weights,
-    and the greedy answer, equal a fresh 2-rank engine's on the newest step."""
+    and the greedy answer, equal a fresh 2-rank engine's on the newest step. An update that one rank cannot
+    take, or that brings the ranks to different steps, is taken by none."""
     train, outbox = qwen2
     fresh = run_engine({"model": step_dir(train, STEPS), "backend": None, "tp": 2, "actions": [{"observe": "fresh"}]},
                        tmp_path)
+    # Requests per rank (vLLM's list form): one rank cannot verify its update, then the ranks reach different
+    # steps. Either way no rank may load: a model whose shards come from two checkpoints computes garbage.
+    # Then both ranks refuse. vLLM's replies to the calls after each refusal must still be the right ones
+    # (agreement.py, "One rank raises"): the observation and the update that follow go through them.
+    split = [[{"source": str(outbox), "step": 1}, {"source": str(outbox), "step": 99}],
+             [{"source": str(outbox), "step": 1}, {"source": str(outbox), "step": 2}],
+             [{"source": str(outbox), "step": 98}, {"source": str(outbox), "step": 99}]]
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff", "tp": 2,
-                       "actions": [{"update": {"source": str(outbox)}}, {"observe": "newest"}]}, tmp_path)
-    assert "error" not in live[0]
+                       "actions": [{"observe": "start"}] + [{"raw_update": request} for request in split]
+                       + [{"observe": "after refusals"}, {"update": {"source": str(outbox)}}, {"observe": "newest"}]},
+                      tmp_path)
+    refused = [r for r in live if "raw_update" in r["action"]]
+    assert "step 99" in refused[0].get("error", "accepted"), refused[0]
+    assert "different checkpoints" in refused[1].get("error", "accepted"), refused[1]
+    assert "step 99" in refused[2].get("error", "accepted"), refused[2]  # the last rank's own line
+    same_engine(observed(live, "after refusals"), observed(live, "start"))  # every rank kept its weights
+    assert observed(live, "after refusals")["version"] == observed(live, "start")["version"]
+    newest = next(r for r in live if "update" in r["action"])
+    assert "error" not in newest, newest  # and the ranks take the next update together
     assert len(observed(live, "newest")["weights"]) == 2
     same_engine(observed(live, "newest"), observed(fresh, "fresh"))
 

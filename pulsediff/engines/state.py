@@ -40,6 +40,16 @@ class Advance:
     links: int = 0  # patch files applied
 
 
+@dataclass
+class _Staged:
+    """What a staged advance takes back: the undo log of its writes, and the state's fields before it."""
+
+    undo: list
+    digest: str
+    step: int | None
+    sums: dict
+
+
 CHECK = "prefer-sums"  # apply_to_state_dict's: word sums where a patch carries them, else digests
 
 
@@ -54,17 +64,49 @@ class HostState:
         # The tensors' word sums as the last update left them: nothing else writes the tensors, so
         # the next update's base check need not read them all again (apply_to_state_dict's `sums`).
         self.sums: dict[str, int] = {}
+        self.staged: _Staged | None = None  # an advance not yet committed (advance(stage=True))
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def advance(self, source: str, step: int | None = None, trust=None, trust_state=None,
-                cache: Path | None = None) -> Advance:
+                cache: Path | None = None, stage: bool = False) -> Advance:
         """Bring the tensors to `step` of the series at `source` (a folder, s3:// or http(s):// URL, or a
         path to its manifest.json), or through the patch file `source` (a path, or a URL ending in
         .pulsediff). Every file is fetched and checked, and every tensor verified, before the first is
-        written; on any error the tensors are as they were and PulsediffError says why."""
+        written; on any error the tensors are as they were and PulsediffError says why.
+
+        `stage`: keep what it takes to go back (the old values at the written positions), until
+        `commit()` or `revert()`: for an engine whose ranks must all take an update or none (a
+        rank that succeeded takes it back when another failed)."""
+        if self.staged is not None:
+            raise RuntimeError("the host state holds a staged update: commit() or revert() it first")
+        before = _Staged([], self.digest, self.step, dict(self.sums))
+        advance = self._advance(source, step, trust, trust_state, cache, before.undo if stage else None)
+        if stage:
+            self.staged = before
+        return advance
+
+    def commit(self) -> None:
+        """Keep the staged update (drop what it took to go back)."""
+        self.staged = None
+
+    def revert(self) -> None:
+        """Take the staged update back: tensors, digest, step and kept sums as they were before it."""
+        staged, self.staged = self.staged, None
+        if staged is None:
+            return
+        from pulsediff.ops.live import revert
+
+        try:
+            revert(staged.undo)
+        except BaseException:
+            self.sums.clear()  # some tensor may be neither before nor after: nothing vouches for its sum
+            raise
+        self.digest, self.step, self.sums = staged.digest, staged.step, staged.sums
+
+    def _advance(self, source, step, trust, trust_state, cache, undo_log) -> Advance:
         kind, where = classify_source(source)
         check_request_fits(kind, source, step, trust)
         # CHECK (FORMAT.md §7.1): the word sums of the base and of each rebuilt tensor, with the changes
@@ -77,7 +119,8 @@ class HostState:
         if kind == "patch":
             if is_url(where):  # read after the request's checks, bounded by what an anchor of these tensors needs
                 where = fetch_patch_url(where, limit=2 * self.nbytes + (1 << 20))
-            result = apply_to_state_dict(self.tensors, [where], check=CHECK, changes=changes, sums=self.sums)
+            result = apply_to_state_dict(self.tensors, [where], check=CHECK, changes=changes, sums=self.sums,
+                                         undo_log=undo_log)
             self.digest = result.target_digest
             if result.status == "applied":
                 self.step = None  # a lone patch names no step
@@ -86,7 +129,7 @@ class HostState:
 
         result = catch_up_state_dict(self.tensors, where, check=CHECK, digest=self.digest, trust=trust,
                                      trust_state=trust_state, step=step, changes=changes, cache=cache,
-                                     sums=self.sums)
+                                     sums=self.sums, undo_log=undo_log)
         self.digest, self.step = result.digest, result.step
         return Advance(result.status, result.step, result.digest, changes, result.links)
 

@@ -19,15 +19,17 @@ newest) by the cheapest chain of intact patches, as `pulsediff catch-up` does. K
 environment decides what a request cannot: PULSEDIFF_VLLM_TRUST (keys, or files of them, that
 every update must be signed by), PULSEDIFF_VLLM_TRUST_STATE, PULSEDIFF_VLLM_CACHE.
 
-What happens, in order (every worker does it for itself):
+What happens, in order:
 
-1. Verify, touching nothing: the request's types; the manifest (and its signature under K); the
-   chain's files (size, checksums, SHA-256 under K); then every patch is decoded against the
-   worker's `HostState` (engines/state.py: the checkpoint in host memory, kept at the engine's
-   step), the base's and every rebuilt tensor's word sums checked against the patch's. A
-   failure here raises one line and leaves the host state and the engine as they were: the
-   engine keeps serving its old weights.
-2. Load into the engine, through the model's own `load_weights` (fused q/k/v and gate/up,
+1. Verify, touching nothing (every worker for itself): the request's types; the manifest (and its
+   signature under K); the chain's files (size, checksums, SHA-256 under K); then every patch is
+   decoded against the worker's `HostState` (engines/state.py: the checkpoint in host memory, kept
+   at the engine's step), the base's and every rebuilt tensor's word sums checked against the
+   patch's. The host state keeps what it takes to go back.
+2. Agree (tensor- and pipeline-parallel ranks, engines/agreement.py): the ranks exchange what
+   they reached. Unless every rank verified the same target, every rank takes its host state back
+   and raises one line: the engine keeps serving its old weights on every rank.
+3. Load into the engine, through the model's own `load_weights` (fused q/k/v and gate/up,
    tensor-parallel shards):
    - `reload` (vLLM's CPU backend, whose Linear weights are repacked into oneDNN handles and
      cannot be written in place): the layerwise reload vLLM's `reload_weights` does, fed from
@@ -47,6 +49,7 @@ What happens, in order (every worker does it for itself):
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +64,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from vllm.logger import init_logger
 
+from pulsediff.engines.agreement import Outcome, Verdict, agree
 from pulsediff.engines.state import HostState, load_host_state, parse_update_request
 from pulsediff.engines.vllm_client import KEPT, UNDEFINED
 from pulsediff.engines.vllm_plugin import BACKEND, UNPACKED_ENV  # noqa: F401 (public here too)
@@ -133,27 +137,71 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         # The operator's keys, when set, decide: a request cannot drop them (nor take a lone patch file).
         trust = os.environ.get(TRUST_ENV, "").split(",") if os.environ.get(TRUST_ENV) else update_info.trust
         start = time.perf_counter()
+        state, advance, failure = None, None, ""
         try:
             state = self.host_state()
+            # Staged: a rank keeps what it takes to go back until every rank has verified the same target.
             advance = state.advance(update_info.source, update_info.step, list(trust) if trust else None,
-                                    os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None)
+                                    os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None,
+                                    stage=True)
         except Exception as exc:  # the host state was put back, and the engine was not touched
-            what = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
-            raise RuntimeError(f"pulsediff: {what} {KEPT}") from None
+            failure = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
+        verdict = self.agreed(Outcome(self.rank, advance is not None, advance.digest if advance else "", failure),
+                             "so no rank took the update")
+        if verdict.refusal is not None:
+            if advance is not None:
+                state.revert()
+            return self.refuse(verdict, KEPT)
+        state.commit()
         if advance.status == "up-to-date" and not self.engine_stale:
             return
         verified = time.perf_counter()
         everything = self.engine_stale
         self.engine_stale = True
+        failure = ""
         try:
             self.load(state, None if everything else advance.changes)
         except BaseException as exc:
-            raise RuntimeError(f"pulsediff: the engine failed while loading verified weights ({exc}) {UNDEFINED}") from exc
+            failure = f"the engine failed while loading verified weights ({type(exc).__name__}: {exc})"
+        # Agreed again: a rank whose load failed leaves the model part old, part new on every rank.
+        verdict = self.agreed(Outcome(self.rank, not failure, advance.digest, failure), "so the update is incomplete")
+        if verdict.refusal is not None:
+            return self.refuse(verdict, UNDEFINED)
         self.engine_stale = False
         self.timings = {"verify_decode": verified - start, "load": time.perf_counter() - verified}
         logger.info("pulsediff: %s verified and decoded in %.3f s (%d links), loaded (%s) in %.3f s",
                     f"step {advance.step}" if advance.step is not None else advance.digest, self.timings["verify_decode"],
                     advance.links, self.last_load, self.timings["load"])
+
+    def agreed(self, mine: Outcome, consequence: str) -> Verdict:
+        """What every rank of this model replica concluded (engines/agreement.py); one rank: its own."""
+        try:
+            return agree(mine, self.rank_groups(), consequence)
+        except Exception as exc:  # every rank that gets here refuses: none can know the others went on
+            return Verdict(f"the engine's ranks could not compare their updates ({type(exc).__name__}: {exc})", True)
+
+    def refuse(self, verdict: Verdict, suffix: str) -> None:
+        """Raise the refusal, from the last rank alone where the others can close their sessions
+        (agreement.py, "One rank raises")."""
+        message = f"pulsediff: {verdict.refusal} {suffix}"
+        if verdict.speaks or not self.close_session():
+            raise RuntimeError(message)
+        logger.warning("%s (the last rank reports it)", message)
+
+    def close_session(self) -> bool:
+        """Close this worker's update session as vLLM closes one whose update_weights raised: its
+        worker's `_weight_update_active` flag (vLLM 0.32), found up the call stack. False where it is
+        not there (another vLLM): this rank then raises too."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            worker = frame.f_locals.get("self")
+            if getattr(worker, "weight_transfer_engine", None) is self and isinstance(
+                    getattr(worker, "_weight_update_active", None), bool):
+                worker._weight_update_active = False
+                self.reset_weight_update_target()
+                return True
+            frame = frame.f_back
+        return False
 
     def finish_weight_update(self) -> None:
         """Nothing to finish: update_weights left the engine complete. The caller sets the weight version."""
@@ -170,6 +218,19 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             # them another way, such as vLLM's reload_weights, is not seen here).
             self.state = load_host_state(model_folder(self.model_config, self.vllm_config.load_config))
         return self.state
+
+    @property
+    def rank(self) -> int:
+        return int(getattr(self.parallel_config, "rank", 0) or 0)
+
+    def rank_groups(self) -> list:
+        """The CPU process groups over which this model replica's ranks agree on an update
+        (engines/agreement.py): tensor-parallel, then pipeline-parallel; none for one rank."""
+        if self.parallel_config.tensor_parallel_size * self.parallel_config.pipeline_parallel_size == 1:
+            return []
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return [g.cpu_group for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
 
     def in_place_ok(self) -> bool:
         """Whether a write to a parameter is what the next forward pass uses, so that only the changed

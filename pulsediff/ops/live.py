@@ -49,7 +49,7 @@ from pulsediff.io.dtypes import DTYPES, DType
 from pulsediff.errors import BaseMismatchError, CorruptPatchError, TensorMismatchError, UsageError
 from pulsediff.io.safetensors_header import ParsedHeader, TensorEntry, build_header
 
-__all__ = ["StateDict", "apply_to_state_dict", "state_dict_digest", "LiveApplyResult"]
+__all__ = ["StateDict", "apply_to_state_dict", "state_dict_digest", "LiveApplyResult", "revert"]
 
 _BY_TORCH_NAME = {d.torch_name: d for d in DTYPES.values() if d.torch_name}
 # safetensors writes tensors sorted by dtype, in the order of its Rust `Dtype` enum, last first, then
@@ -173,7 +173,7 @@ CHECKS = ("auto", "digests", "sums", "prefer-sums")
 def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | BinaryIO | bytes, *,
                         device: str | None = None, check: str = "auto", expect_target: str | None = None,
                         expect_where: str = "the signed manifest", changes: dict | None = None,
-                        sums: dict | None = None) -> LiveApplyResult:
+                        sums: dict | None = None, undo_log: list | None = None) -> LiveApplyResult:
     """Apply one patch, or a chain of patches in order, to live tensors in place.
 
     `tensors` maps names to torch tensors (CPU or CUDA), e.g. `model.state_dict()`
@@ -203,6 +203,10 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     which this function gave back last time; they stand in for the sums path's read of
     every tensor before the first patch (wrong ones would defeat that base check, so pass
     only what it gave). Replaced on success by the sums after; left as it was on failure.
+
+    `undo_log` (a list, for a caller that may still have to take a verified apply back, as
+    an engine whose other ranks failed does): on success it receives the apply's undo
+    log, the old values at every written position, and `revert(undo_log)` puts them back.
     """
     if not isinstance(patches, list):
         patches = [patches]
@@ -238,6 +242,8 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
     if sums is not None:
         sums.clear()
         sums.update(known)
+    if undo_log is not None:
+        undo_log.extend(undo)
     return LiveApplyResult(status, len(changed_tensors), changed_elements, target)
 
 
@@ -676,6 +682,14 @@ def _bits_view(tensor):
     from pulsediff.kernels.class_sort import signed_view
 
     return signed_view(tensor.detach())
+
+
+def revert(undo_log: list) -> None:
+    """Take back the applies whose undo logs `undo_log` holds (apply_to_state_dict's `undo_log`),
+    newest first, leaving it empty. The tensors must not have been written since."""
+    lost = _roll_back(undo_log)
+    if lost:  # only an interrupted write leaves an entry without its old values, never a finished apply
+        raise RuntimeError("not put back: " + ", ".join(sorted(set(lost))))
 
 
 def _roll_back(undo: list) -> list:

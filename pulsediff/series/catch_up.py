@@ -381,7 +381,7 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
                         check: str = "auto", digest: str | None = None, trust=None,
                         trust_state: str | Path | None = None, step: int | None = None,
                         changes: dict | None = None, cache: Path | None = None,
-                        sums: dict | None = None) -> LiveCatchUp:
+                        sums: dict | None = None, undo_log: list | None = None) -> LiveCatchUp:
     """`pulsediff catch-up` for live tensors: follow a published series (a folder, an `s3://` or
     `http(s)://` URL, or a Store) in place, by the cheapest chain of intact patches from the
     tensors' digest to `step` (default: the newest).
@@ -390,7 +390,7 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
     apply; one under another scheme than the series' is taken again), which spares hashing them on the host to find where they are in the series (on
     a GPU, a copy of every tensor); the chain's first patch checks the base all the same
     (by word sums under check="sums"), though a `digest` that names the target step is
-    taken at its word. `check`, `changes` and `sums` are apply_to_state_dict's. `trust` and
+    taken at its word. `check`, `changes`, `sums` and `undo_log` are apply_to_state_dict's. `trust` and
     `trust_state`: as `catch_up`'s (a signed series: the manifest signed by a trusted key
     and not older than one accepted before, each file's SHA-256 the one it names). Remote
     files are fetched into `cache` (default: remote.default_cache). Every file of the chain
@@ -431,7 +431,7 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
         result = apply_to_state_dict(
             tensors, [private.path(e.file) if private is not None else store.path(e.file) for e in links],
             device=device, check=check, expect_target=goal.target if trust is not None else None,
-            expect_where=where, changes=changes, sums=sums)
+            expect_where=where, changes=changes, sums=sums, undo_log=undo_log)
         # The tensors have moved: what follows is housekeeping, and its failure must not hide that.
         try:
             store.forget([e.file for e in links], {e.file for e in manifest.entries})
