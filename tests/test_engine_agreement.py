@@ -28,6 +28,8 @@ def test_records_round_trip_and_keep_their_size():
         back = Outcome.decode(raw)
         assert (back.rank, back.ok, back.digest) == (o.rank, o.ok, o.digest)
         assert o.message.startswith(back.message.rstrip("\ufffd"))  # cut to fit, never longer
+    # A peer's message reaches the others as one line.
+    assert Outcome.decode(Outcome(1, False, "", "a\nb\r\n  c").encode()).message == "a b c"
 
 
 def test_refusal_rules():

@@ -134,6 +134,30 @@ def test_a_staged_update_is_taken_back_exactly_or_kept(series, how):
     assert_at(state, train, target)
 
 
+@pytest.mark.parametrize("stage", [False, True])
+def test_a_failure_after_the_tensors_were_written_puts_them_back(series, monkeypatch, stage):
+    """The catch-up's housekeeping runs after the apply: an unexpected failure there leaves the host
+    state as it was (tensors, digest, step, kept sums), not written with its old digest."""
+    from pulsediff.series import store
+
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    state.advance(str(outbox), 1)
+    before, fields = snapshot(state), (state.step, dict(state.sums))
+
+    def broken(self, names, listed):
+        raise RuntimeError("housekeeping broke")
+
+    monkeypatch.setattr(store.Store, "forget", broken)
+    with pytest.raises(RuntimeError, match="housekeeping broke"):
+        state.advance(str(outbox), STEPS, stage=stage)
+    assert_unchanged(state, before)
+    assert (state.step, state.sums, state.staged) == (*fields, None)
+    monkeypatch.undo()
+    state.advance(str(outbox), STEPS)
+    assert_at(state, train, STEPS)
+
+
 def test_a_refused_staged_update_leaves_nothing_staged(series, tmp_path):
     train, outbox = series
     state = load_host_state(train / "step_000000")

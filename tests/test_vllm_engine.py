@@ -176,11 +176,12 @@ def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_pat
                        tmp_path)
     # Requests per rank (vLLM's list form): one rank cannot verify its update, then the ranks reach different
     # steps. Either way no rank may load: a model whose shards come from two checkpoints computes garbage.
-    # Then both ranks refuse. vLLM's replies to the calls after each refusal must still be the right ones
+    # Then both ranks refuse (twice). vLLM's replies to the calls after each refusal must still be the right ones
     # (agreement.py, "One rank raises"): the observation and the update that follow go through them.
     split = [[{"source": str(outbox), "step": 1}, {"source": str(outbox), "step": 99}],
              [{"source": str(outbox), "step": 1}, {"source": str(outbox), "step": 2}],
-             [{"source": str(outbox), "step": 98}, {"source": str(outbox), "step": 99}]]
+             [{"source": str(outbox), "step": 98}, {"source": str(outbox), "step": 99}],
+             [{"source": 1}, {"source": 1}]]  # malformed: refused by the same agreement
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff", "tp": 2,
                        "actions": [{"observe": "start"}] + [{"raw_update": request} for request in split]
                        + [{"observe": "after refusals"}, {"update": {"source": str(outbox)}}, {"observe": "newest"}]},
@@ -189,6 +190,7 @@ def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_pat
     assert "step 99" in refused[0].get("error", "accepted"), refused[0]
     assert "different checkpoints" in refused[1].get("error", "accepted"), refused[1]
     assert "step 99" in refused[2].get("error", "accepted"), refused[2]  # the last rank's own line
+    assert "'source' must be" in refused[3].get("error", "accepted"), refused[3]
     same_engine(observed(live, "after refusals"), observed(live, "start"))  # every rank kept its weights
     assert observed(live, "after refusals")["version"] == observed(live, "start")["version"]
     newest = next(r for r in live if "update" in r["action"])

@@ -8,11 +8,12 @@ stages its update (HostState.advance(stage=True)), the ranks exchange what they 
 load only if every rank verified the same target; otherwise each takes its stage back and all of
 them refuse the update.
 
-The exchange is one all-gather of a fixed-size record per rank over the engine's CPU (gloo)
-process groups: the tensor-parallel group, then the pipeline-parallel one, so that every rank of
-the model replica sees every other's record (a data-parallel replica is an engine of its own, at its
-own step). Every rank must reach it: a rank that never does (vLLM refused its request before
-pulsediff saw it) leaves the others waiting on the group, as any collective would.
+The exchange is one all-gather of a fixed-size record per rank over each of the engine's CPU
+(gloo) process groups in turn: tensor-parallel, context-parallel, pipeline-parallel, so that every
+rank of the model replica sees every other's record (a data-parallel replica is an engine of its
+own, at its own step). Every rank must reach it: a rank that never does (vLLM refused its request
+before pulsediff saw it: a per-rank list of requests too short for it) leaves the others waiting on
+the group until gloo's timeout, as any collective would.
 
 One rank raises. vLLM's multiprocess executor (0.32; vllm-project/vllm issue 49972, open) reads
 the workers' replies to a call in rank order and stops at the first failure: the later ranks'
@@ -44,7 +45,7 @@ class Outcome:
 
     def encode(self) -> bytes:
         digest = self.digest.encode("ascii", "replace")[:96]
-        message = self.message.encode("utf-8", "replace")[:_MESSAGE_BYTES]
+        message = " ".join(self.message.split()).encode("utf-8", "replace")[:_MESSAGE_BYTES]  # one line
         return (_HEAD.pack(self.rank, int(self.ok), digest) + message).ljust(RECORD_BYTES, b"\0")
 
     @classmethod

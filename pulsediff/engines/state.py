@@ -45,7 +45,7 @@ class _Staged:
     """What a staged advance takes back: the undo log of its writes, and the state's fields before it."""
 
     undo: list
-    digest: str
+    digest: str | None
     step: int | None
     sums: dict
 
@@ -58,7 +58,7 @@ class HostState:
 
     def __init__(self, tensors: dict, digest: str, step: int | None = None, origin: str = ""):
         self.tensors = tensors
-        self.digest = digest
+        self.digest = digest  # None: unknown (a revert that failed): the next update hashes the tensors
         self.step = step
         self.origin = origin  # where it was loaded from, for messages
         # The tensors' word sums as the last update left them: nothing else writes the tensors, so
@@ -79,11 +79,17 @@ class HostState:
 
         `stage`: keep what it takes to go back (the old values at the written positions), until
         `commit()` or `revert()`: for an engine whose ranks must all take an update or none (a
-        rank that succeeded takes it back when another failed)."""
+        rank that succeeded takes it back when another failed). Without it, that is dropped on
+        return (a failure after the tensors were written, in the housekeeping, puts them back)."""
         if self.staged is not None:
             raise RuntimeError("the host state holds a staged update: commit() or revert() it first")
         before = _Staged([], self.digest, self.step, dict(self.sums))
-        advance = self._advance(source, step, trust, trust_state, cache, before.undo if stage else None)
+        try:
+            advance = self._advance(source, step, trust, trust_state, cache, before.undo)
+        except BaseException:  # after a completed apply too (its housekeeping): as it was, every field
+            self.staged = before
+            self.revert()
+            raise
         if stage:
             self.staged = before
         return advance
@@ -102,7 +108,10 @@ class HostState:
         try:
             revert(staged.undo)
         except BaseException:
-            self.sums.clear()  # some tensor may be neither before nor after: nothing vouches for its sum
+            # Some tensor may be neither before nor after: nothing vouches for its sum or the digest,
+            # and the next update hashes the tensors again.
+            self.sums.clear()
+            self.digest = None
             raise
         self.digest, self.step, self.sums = staged.digest, staged.step, staged.sums
 

@@ -26,9 +26,11 @@ What happens, in order:
    decoded against the worker's `HostState` (engines/state.py: the checkpoint in host memory, kept
    at the engine's step), the base's and every rebuilt tensor's word sums checked against the
    patch's. The host state keeps what it takes to go back.
-2. Agree (tensor- and pipeline-parallel ranks, engines/agreement.py): the ranks exchange what
-   they reached. Unless every rank verified the same target, every rank takes its host state back
-   and raises one line: the engine keeps serving its old weights on every rank.
+2. Agree (tensor-, context- and pipeline-parallel ranks, engines/agreement.py): the ranks exchange
+   what they reached. Unless every rank verified the same target, every rank takes its host state
+   back and the update is refused with one line (raised by the last rank; under vLLM's multiprocess
+   executor the others close their session and return: agreement.py, "One rank raises"): the engine
+   keeps serving its old weights on every rank. A malformed request is refused the same way.
 3. Load into the engine, through the model's own `load_weights` (fused q/k/v and gate/up,
    tensor-parallel shards):
    - `reload` (vLLM's CPU backend, whose Linear weights are repacked into oneDNN handles and
@@ -128,30 +130,40 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         return PulsediffUpdateInfo(request.source, request.step, request.trust)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        self.receive_weights(update_info)  # parsed inside, so that a bad request is agreed on like any refusal
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def receive_weights(self, update_info: PulsediffUpdateInfo) -> None:
-        cache = os.environ.get(CACHE_ENV) or None
-        # The operator's keys, when set, decide: a request cannot drop them (nor take a lone patch file).
-        trust = os.environ.get(TRUST_ENV, "").split(",") if os.environ.get(TRUST_ENV) else update_info.trust
+    def receive_weights(self, update_info: "PulsediffUpdateInfo | dict[str, Any]") -> None:
         start = time.perf_counter()
         state, advance, failure = None, None, ""
-        try:
+        try:  # every failure here becomes this rank's outcome: each rank must reach the agreement
+            if not isinstance(update_info, PulsediffUpdateInfo):
+                update_info = self.parse_update_info(update_info)
+            cache = os.environ.get(CACHE_ENV) or None
+            # The operator's keys, when set, decide: a request cannot drop them (nor take a lone patch file).
+            trust = os.environ.get(TRUST_ENV, "").split(",") if os.environ.get(TRUST_ENV) else update_info.trust
             state = self.host_state()
+            if state.staged is not None:  # left by an update interrupted between its stage and its verdict
+                state.revert()
             # Staged: a rank keeps what it takes to go back until every rank has verified the same target.
             advance = state.advance(update_info.source, update_info.step, list(trust) if trust else None,
                                     os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None,
                                     stage=True)
-        except Exception as exc:  # the host state was put back, and the engine was not touched
-            failure = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # the host state was put back, and the engine was not touched
+            failure = str(exc).removeprefix("pulsediff: ").removesuffix(KEPT).strip() \
+                if isinstance(exc, (PulsediffError, ValueError)) else f"{type(exc).__name__}: {exc}"
+        suffix = UNDEFINED if self.engine_stale else KEPT
         verdict = self.agreed(Outcome(self.rank, advance is not None, advance.digest if advance else "", failure),
-                             "so no rank took the update")
+                              "so no rank took the update")
         if verdict.refusal is not None:
             if advance is not None:
-                state.revert()
-            return self.refuse(verdict, KEPT)
+                try:
+                    state.revert()
+                except BaseException as exc:  # the host state no longer vouches for itself: it is re-hashed
+                    verdict = Verdict(f"{verdict.refusal}; this rank could not take its update back ({exc})",
+                                      verdict.speaks)
+            return self.refuse(verdict, suffix)
         state.commit()
         if advance.status == "up-to-date" and not self.engine_stale:
             return
@@ -177,14 +189,18 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         """What every rank of this model replica concluded (engines/agreement.py); one rank: its own."""
         try:
             return agree(mine, self.rank_groups(), consequence)
-        except Exception as exc:  # every rank that gets here refuses: none can know the others went on
+        except Exception as exc:
+            # Every rank that gets here refuses: none can know the others went on. A rank whose exchange
+            # did succeed goes on, and waits in the next agreement (gloo's timeout ends it).
             return Verdict(f"the engine's ranks could not compare their updates ({type(exc).__name__}: {exc})", True)
 
     def refuse(self, verdict: Verdict, suffix: str) -> None:
         """Raise the refusal, from the last rank alone where the others can close their sessions
         (agreement.py, "One rank raises")."""
         message = f"pulsediff: {verdict.refusal} {suffix}"
-        if verdict.speaks or not self.close_session():
+        # Only vLLM's multiprocess executor reads the ranks' replies from one queue each (Ray's and a single
+        # process's callers see every failure without a queue to desynchronise).
+        if verdict.speaks or self.parallel_config.distributed_executor_backend != "mp" or not self.close_session():
             raise RuntimeError(message)
         logger.warning("%s (the last rank reports it)", message)
 
@@ -225,12 +241,19 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def rank_groups(self) -> list:
         """The CPU process groups over which this model replica's ranks agree on an update
-        (engines/agreement.py): tensor-parallel, then pipeline-parallel; none for one rank."""
-        if self.parallel_config.tensor_parallel_size * self.parallel_config.pipeline_parallel_size == 1:
+        (engines/agreement.py): tensor-parallel, prefill-context-parallel, then pipeline-parallel
+        (together the replica's world); none for one rank."""
+        config = self.parallel_config
+        if config.tensor_parallel_size * config.pipeline_parallel_size * getattr(
+                config, "prefill_context_parallel_size", 1) == 1:
             return []
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.distributed import parallel_state
 
-        return [g.cpu_group for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+        groups = [parallel_state.get_tp_group()]
+        if getattr(config, "prefill_context_parallel_size", 1) > 1:
+            groups.append(parallel_state.get_pcp_group())
+        groups.append(parallel_state.get_pp_group())
+        return [g.cpu_group for g in groups if g.world_size > 1]
 
     def in_place_ok(self) -> bool:
         """Whether a write to a parameter is what the next forward pass uses, so that only the changed
