@@ -34,9 +34,10 @@ What is measured:
 - the same patch applied as `pulsediff.ops.live` does with check="sums" (the default for GPU
   tensors): word sum of the base, class counts, ranked_positions, add_at with its undo
   log, word sum of the target, per tensor.
-- the same with `locate_ranked` in place of chunk_class_starts + ranked_positions: on a real
-  GPU that is kernels.class_sort's stable sort of the class keys (torch, CUB), the path
-  `pulsediff.ops.live` takes now; and the plain-torch baseline of systems that ship raw indices
+- the same with `locate_ranked` in place of chunk_class_starts + ranked_positions: the tile
+  kernels (two reads of the base, nothing sorted), the path `pulsediff.ops.live` takes now;
+  on a real GPU also kernels.class_sort's stable sort of the class keys (torch, CUB), the path
+  before them; and the plain-torch baseline of systems that ship raw indices
   and values: int32 positions and BF16 values from pinned memory, H2D, `index_copy_`.
 - with --make: `pulsediff.make_patch_bytes(old, new, device="cuda")` from two state dicts in GPU memory, next
   to plain torch's compare (`nonzero(a != b)` and a gather) over the same tensors.
@@ -289,13 +290,17 @@ def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[li
         n * w + m * 8, m * 8)
     row("add_at (with the undo log)", lambda: K.add_at(d_work, where, d_zig), m * (8 + 1 + w), m * 2 * w, restore)
     ok &= np.array_equal(d_work.copy_to_host(), new)
-    # What live apply runs now: class sizes and positions together (on a real GPU by the stable
-    # sort of kernels.class_sort; under the simulator by the walk above).
+    # What live apply runs now: class sizes and positions together, by tiles (two reads of the base,
+    # nothing sorted); and the stable sort of kernels.class_sort it replaced (a real GPU only).
     path = "class sort" if K._sort_on_gpu(d_old) else "walk"
     where2, found2, _ = K.locate_ranked(d_old, SHIFT, MASK, offsets, d_ranks)
     ok &= found2 == m and np.array_equal(_host(where2), _host(where))
-    row(f"locate_ranked ({path})", lambda: K.locate_ranked(d_old, SHIFT, MASK, offsets, d_ranks),
+    row("locate_ranked (tiles: two reads of the base)", lambda: K.locate_ranked(d_old, SHIFT, MASK, offsets, d_ranks),
         n * w + m * 8, m * 8)
+    if path == "class sort":
+        where3, found3 = class_sorted(d_old, offsets, d_ranks)
+        ok &= found3 == m and np.array_equal(_host(where3), _host(where))
+        row("locate_ranked (class sort)", lambda: class_sorted(d_old, offsets, d_ranks), n * w + m * 8, m * 8)
     row(f"diff_ranks ({path if path == 'class sort' else 'compact + class_ranks + gather'})",
         lambda: K.diff_ranks(d_old, d_new, SHIFT, MASK), 2 * n * w, m * (w + 2 + 8))
     zz, cls, rk, _ = K.diff_ranks(d_old, d_new, SHIFT, MASK)
@@ -312,6 +317,16 @@ def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[li
     row(f"chunk_digests (XXH3-128 per {C.DIGEST_CHUNK_BYTES >> 10} KiB)", lambda: K.chunk_digests(d_old),
         n * w, -(-n * w // C.DIGEST_CHUNK_BYTES) * 16)
     return rows, bool(ok)
+
+
+def class_sorted(base, offsets, ranks):
+    """kernels.class_sort's locate (CUB's radix sort through torch): the real-GPU path before the tiles."""
+    from pulsediff.kernels import class_sort
+    from pulsediff.kernels import cuda as K
+
+    where, found, _ = class_sort.locate_ranked(K._torch_of(base), SHIFT, MASK, offsets, K._torch_of(ranks),
+                                               keys_of=K._torch_class_keys)
+    return K._as_cuda_array(where), found
 
 
 def _host(a) -> np.ndarray:
@@ -375,9 +390,12 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
         starts, _ = K.chunk_class_starts(t.dev, SHIFT, MASK)
         return K.ranked_positions(t.dev, SHIFT, MASK, starts, t.offsets, t.d_ranks)
 
-    def sorted_positions(t):  # class sizes and positions in one call (the class sort on a GPU)
+    def located_positions(t):  # class sizes and positions in one call (by tiles)
         where, found, _ = K.locate_ranked(t.dev, SHIFT, MASK, t.offsets, t.d_ranks)
         return where, found
+
+    def sorted_positions(t):  # the same by kernels.class_sort (a real GPU only)
+        return class_sorted(t.dev, t.offsets, t.d_ranks)
 
     def checked(positions):
         # What pulsediff.ops.live's check="sums" runs per tensor after the entropy decode: the base's
@@ -400,8 +418,12 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
     ok = applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
     t_checked = timed(checked(walk_positions), repeats, setup=dense)
     ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
-    t_located = timed(checked(sorted_positions), repeats, setup=dense)
+    t_located = timed(checked(located_positions), repeats, setup=dense)
     ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
+    t_sorted = None
+    if isinstance(arrays, TorchTensors):
+        t_sorted = timed(checked(sorted_positions), repeats, setup=dense)
+        ok &= applied[0] == changes and all(np.array_equal(arrays.to_host(t.dev), t.expected) for t in tensors)
     baseline = torch_index_copy_baseline(tensors, arrays, repeats) if isinstance(arrays, TorchTensors) else None
     nbytes = 2 * total
     rows = [[arrays.dense_copy, f"{nbytes:,}", f"{t_dense * 1e3:.1f}", gbps(nbytes, t_dense),
@@ -412,9 +434,11 @@ def model_apply(shapes, arrays, density: float, repeats: int, rng, live: bool) -
              gbps(nbytes, t_kernels), f"{t_dense / t_kernels:.2f}"],
             ["checked as live apply does: H2D + word_sum + chunk_class_starts + ranked_positions + add_at + word_sum",
              f"{changes * 9:,}", f"{t_checked * 1e3:.1f}", gbps(nbytes, t_checked), f"{t_dense / t_checked:.2f}"],
-            ["the same with locate_ranked (class sizes and positions in one call: "
-             f"{'class sort' if isinstance(arrays, TorchTensors) else 'walk'})",
+            ["the same with locate_ranked (class sizes and positions in one call, by tiles: what live apply runs)",
              f"{changes * 9:,}", f"{t_located * 1e3:.1f}", gbps(nbytes, t_located), f"{t_dense / t_located:.2f}"]]
+    if t_sorted is not None:
+        rows.append(["the same with kernels.class_sort's stable sort (the path before the tiles)",
+                     f"{changes * 9:,}", f"{t_sorted * 1e3:.1f}", gbps(nbytes, t_sorted), f"{t_dense / t_sorted:.2f}"])
     if baseline is not None:
         t_base, moved = baseline
         rows.append(["plain torch baseline: int32 indices + bf16 values H2D from pinned memory, then index_copy_",

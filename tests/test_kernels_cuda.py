@@ -699,6 +699,62 @@ def test_locate_ranked(cuda_k, cpu_k, case):
             np.testing.assert_array_equal(got_sizes, sizes)
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_tile_locate_ranked(cuda_k, case):
+    """The tile kernels (a device base's rank-to-position map) against the reference: bases of
+    several tiles with a short last one, sparse and dense entries, no entries; every class's size.
+    A section listing more classes than a tile counts is left to the other paths (None)."""
+    _, make, shift, mask = case
+    rng = np.random.default_rng(31)
+    for n, density in [(2 * cuda_k.TILE + 77, 0.02), (300, "all"), (1, "all"), (130, 0.0)]:
+        base = make(rng, n)
+        positions = pick_positions(rng, n, density)
+        ranks, sizes = class_ranks_ref(base, shift, mask, positions)
+        offsets, ranks_cm, _ = listed_entries(base, shift, mask, positions, ranks, rng)
+        got = cuda_k.tile_locate_ranked(numba_cuda.to_device(base), shift, mask, offsets, ranks_cm)
+        if np.count_nonzero(np.diff(offsets)) > cuda_k.TILE_LISTED:
+            assert got is None
+            continue
+        want, found = ranked_positions_ref(base, shift, mask, offsets, ranks_cm)
+        where, got_found, got_sizes = got
+        assert got_found == found == positions.size
+        np.testing.assert_array_equal(where.copy_to_host(), want)
+        np.testing.assert_array_equal(got_sizes, sizes)
+
+
+def test_tile_locate_ranked_hostile_ranks(cuda_k):
+    """Ranks past their class, negative, repeated, falling, in a class the base lacks: never all
+    entries found, and every entry found is where its class and rank say."""
+    rng = np.random.default_rng(32)
+    base = bf16_like(rng, cuda_k.TILE + 500)
+    classes = np.array(classes_ref(base, 7, 255), np.int64)
+    sizes = np.bincount(classes, minlength=256)
+    k_big, k_empty = int(np.argmax(sizes)), int(np.flatnonzero(sizes == 0)[0])
+    k_next = int(np.argsort(sizes)[-2])
+    per_class = {k_big: [-3, 0, 2, 2, 1, 5, int(sizes[k_big]) - 1, int(sizes[k_big]), 2**62],
+                 k_next: [3, 700, 1], k_empty: [0, 4]}
+    offsets = np.zeros(257, np.int64)
+    ranks, owner = [], []
+    for k in range(256):
+        ranks += per_class.get(k, [])
+        owner += [k] * len(per_class.get(k, []))
+        offsets[k + 1] = len(ranks)
+    ranks = np.array(ranks, np.int64)
+    where, found, got_sizes = cuda_k.tile_locate_ranked(numba_cuda.to_device(base), 7, 255, offsets, ranks)
+    where = where.copy_to_host()
+    assert found == int((where >= 0).sum()) < ranks.size
+    np.testing.assert_array_equal(got_sizes, sizes)
+    for p in np.flatnonzero(where >= 0):
+        i = where[p]
+        assert classes[i] == owner[p] and int((classes[:i] == owner[p]).sum()) == ranks[p]
+    big = offsets[k_big]
+    assert (where[big:big + 3] >= 0).tolist() == [False, True, True]  # -3 never; 0 and 2 are there
+    assert where[big + 3] == -1 and where[big + 4] == -1  # 2 again, then 1: not above the one before
+    assert where[big + 7] == -1 and where[big + 8] == -1  # past the class
+    assert (where[offsets[k_empty]:offsets[k_empty] + 2] == -1).all()
+    assert where[offsets[k_next] + 2] == -1  # 1 after 700
+
+
 def test_ranked_positions_hostile_ranks(cuda_k, cpu_k):
     """Ranks past their class, negative ranks, a class the base lacks: -1 and not counted."""
     rng = np.random.default_rng(23)

@@ -147,7 +147,7 @@ import threading
 import warnings
 
 import numpy as np
-from numba import cuda, int32, int64, uint64
+from numba import cuda, int32, int64, uint16, uint64
 
 from pulsediff.errors import DeviceUnavailableError
 from pulsediff.kernels.contract import KERNELS, first_line
@@ -1067,6 +1067,246 @@ def ranked_positions(base, shift: int, mask: int, starts, class_offsets, ranks):
     return (where if on_device else where.copy_to_host()), found
 
 
+# --- rank to position by tiles: locate_ranked on a device base ------------------------------
+#
+# The live apply's rank-to-position map (issue 35's GPU path), written to its byte budget: the base
+# read twice (2 x 2 B per BF16 element), nothing sorted, no atomics on the hot classes, and a fixed
+# number of barriers per tile of TILE elements, against ~31 B per element for the class sort
+# (class_sort.py) and two barriers per 256 elements for the round walk above. Only the classes that
+# have entries ("listed", at most TILE_LISTED of them; BF16 steps list ~20-40) are counted per thread:
+#
+#   _tile_listed_counts  thread t counts its TILE_ITEMS consecutive elements into its own column of
+#       a shared (class, thread) table of uint16 (no atomics: a column is one thread's), the
+#       unlisted classes into a shared histogram (rare classes: few atomics) added to their sizes in
+#       global memory; then each warp sums rows of the table, its lanes reading adjacent columns
+#       (conflict-free), into counts[tile, listed class].
+#   _scan_columns        (above) turns counts into each tile's first rank per listed class, and
+#       gives the listed classes' sizes.
+#   _tile_entry_bounds   per (tile, listed class), the first entry whose rank is at or past the
+#       tile's first rank (a binary search in the class's ranks): a tile's entries of a class are
+#       [bound[tile], bound[tile + 1]).
+#   _tile_locate         counts again, scans each row of the table into the threads' first ranks
+#       (warp-cooperative: lanes take runs of 8 columns, one lane scans the 32 run totals), then
+#       each thread walks its elements: an element of listed class l has rank first + running
+#       count, and a binary search among the tile's entries of l says whether it is listed.
+#
+# Byte budget (BF16, n elements, m entries, L listed classes): base 4n; tables 24 L per tile
+# (4096 elements: ~0.2 B per element at L = 30); entries read from L1/L2 by the searches; where
+# written 8m. Shared memory (dynamic): 512 B per listed class + 2 KiB, one tile per 256-thread block.
+
+TILE_THREADS = 256
+TILE_ITEMS = 16
+TILE = TILE_THREADS * TILE_ITEMS
+TILE_LISTED = 64  # listed classes a tile kernel counts; a section with more takes the other paths
+_WARPS = TILE_THREADS // 32
+_UNLISTED = 255
+
+
+@cuda.jit(device=True, inline=True)
+def _count_items(bits, shift, mask, lut, first, t, table, words, hist_at, count_unlisted):
+    # Thread t's TILE_ITEMS consecutive elements from `first` into its column of `table` (row slot:
+    # table[slot * TILE_THREADS + t]); unlisted classes, if counted, into words[hist_at + class]. A
+    # warp's loads cover 512 consecutive elements, each 32-byte sector fetched once, then read from L1.
+    n = bits.size
+    for j in range(TILE_ITEMS):
+        i = first + j
+        if i < n:
+            k = (int64(bits[i]) >> shift) & mask
+            slot = int64(lut[k])
+            if slot != _UNLISTED:
+                table[slot * TILE_THREADS + t] += 1
+            elif count_unlisted:
+                cuda.atomic.add(words, hist_at + k, 1)
+
+
+def _tile_shared_layout(nlisted: int) -> tuple[int, int]:
+    """(dynamic shared bytes, int32 index of the words after the table) for a tile kernel: the
+    (listed class, thread) table of uint16, then TILE_THREADS int32 of histogram and 256 of run sums.
+    Dynamic shared memory only: every thread of a block sees one buffer, also under the simulator
+    (whose static shared arrays are made per thread when threads race to create them)."""
+    at = -(-nlisted * TILE_THREADS * 2 // 4)
+    return (at + TILE_THREADS + _WARPS * 32) * 4, at
+
+
+@cuda.jit(cache=True)
+def _tile_listed_counts(bits, shift, mask, lut, nlisted, at, counts, unlisted):
+    table = cuda.shared.array(0, uint16)
+    words = cuda.shared.array(0, int32)  # the same buffer: [at, at + 256) histogram, then run sums
+    t = cuda.threadIdx.x
+    warp = t // 32
+    lane = t % 32
+    hist_at = at
+    part_at = at + TILE_THREADS
+    tiles = counts.shape[0]
+    for tile in range(cuda.blockIdx.x, tiles, cuda.gridDim.x):
+        for slot in range(nlisted):
+            table[slot * TILE_THREADS + t] = 0
+        words[hist_at + t] = 0
+        cuda.syncthreads()
+        _count_items(bits, shift, mask, lut, tile * TILE + t * TILE_ITEMS, t, table, words, hist_at, True)
+        cuda.syncthreads()
+        if words[hist_at + t] != 0:
+            cuda.atomic.add(unlisted, t, int64(words[hist_at + t]))
+        for r in range((nlisted + _WARPS - 1) // _WARPS):
+            slot = r * _WARPS + warp
+            total = int32(0)
+            if slot < nlisted:
+                for u in range(lane, TILE_THREADS, 32):  # adjacent columns: conflict-free
+                    total += table[slot * TILE_THREADS + u]
+            words[part_at + warp * 32 + lane] = total
+            cuda.syncthreads()
+            if lane == 0 and slot < nlisted:
+                total = int32(0)
+                for q in range(32):
+                    total += words[part_at + warp * 32 + q]
+                counts[tile, slot] = total
+            cuda.syncthreads()
+
+
+@cuda.jit(cache=True)
+def _tile_entry_bounds(firsts, class_lo, class_hi, ranks, bounds):
+    # bounds[tile, slot]: the first entry of listed class `slot` whose rank is >= firsts[tile, slot];
+    # bounds[tiles, slot] = the class's end. Entries are class-major: class_lo/hi[slot] delimit them.
+    tiles = firsts.shape[0]
+    nlisted = firsts.shape[1]
+    for q in range(cuda.grid(1), (tiles + 1) * nlisted, cuda.gridsize(1)):
+        tile = q // nlisted
+        slot = q % nlisted
+        if tile == tiles:
+            bounds[tile, slot] = class_hi[slot]
+        else:
+            bounds[tile, slot] = _lower_bound(ranks, class_lo[slot], class_hi[slot], firsts[tile, slot])
+
+
+@cuda.jit(cache=True)
+def _tile_locate(bits, shift, mask, lut, nlisted, at, firsts, bounds, ranks, where):
+    table = cuda.shared.array(0, uint16)
+    words = cuda.shared.array(0, int32)  # the same buffer: run sums at [at + 256, at + 512)
+    t = cuda.threadIdx.x
+    warp = t // 32
+    lane = t % 32
+    part_at = at + TILE_THREADS
+    n = bits.size
+    tiles = firsts.shape[0]
+    for tile in range(cuda.blockIdx.x, tiles, cuda.gridDim.x):
+        for slot in range(nlisted):
+            table[slot * TILE_THREADS + t] = 0
+        cuda.syncthreads()
+        first = tile * TILE + t * TILE_ITEMS
+        _count_items(bits, shift, mask, lut, first, t, table, words, at, False)
+        cuda.syncthreads()
+        # Each row to exclusive prefixes over the threads (position order): lane i takes columns
+        # [8i, 8i + 8) (4-way bank conflicts), lane 0 scans the 32 run totals. At most 4096 < 2**16.
+        for r in range((nlisted + _WARPS - 1) // _WARPS):
+            slot = r * _WARPS + warp
+            run = int32(0)
+            if slot < nlisted:
+                for u in range(lane * 8, lane * 8 + 8):
+                    v = int32(table[slot * TILE_THREADS + u])
+                    table[slot * TILE_THREADS + u] = run
+                    run += v
+            words[part_at + warp * 32 + lane] = run
+            cuda.syncthreads()
+            if lane == 0:
+                acc = int32(0)
+                for q in range(32):
+                    v = words[part_at + warp * 32 + q]
+                    words[part_at + warp * 32 + q] = acc
+                    acc += v
+            cuda.syncthreads()
+            if slot < nlisted:
+                add = words[part_at + warp * 32 + lane]
+                for u in range(lane * 8, lane * 8 + 8):
+                    table[slot * TILE_THREADS + u] += add
+            cuda.syncthreads()
+        for j in range(TILE_ITEMS):
+            i = first + j
+            if i < n:
+                k = (int64(bits[i]) >> shift) & mask
+                slot = int64(lut[k])
+                if slot != _UNLISTED:
+                    before = table[slot * TILE_THREADS + t]
+                    table[slot * TILE_THREADS + t] = before + 1
+                    rank = firsts[tile, slot] + before
+                    lo = bounds[tile, slot]
+                    hi = bounds[tile + 1, slot]
+                    p = _lower_bound(ranks, lo, hi, rank)
+                    if p < hi and ranks[p] == rank:
+                        where[p] = i
+        cuda.syncthreads()  # the table is read out before the next tile clears it
+
+
+@cuda.jit(cache=True)
+def _unfound_stalled(ranks, class_lo, where):
+    # An entry whose rank is not above the previous entry's of its class (a damaged patch) is not
+    # found, as on the other paths, so that a count of every entry means every rank rose.
+    for p in range(cuda.grid(1), ranks.size, cuda.gridsize(1)):
+        if p > 0 and ranks[p] <= ranks[p - 1]:
+            c = _lower_bound(class_lo, 0, class_lo.size, p)
+            if c == class_lo.size or class_lo[c] != p:  # not its class's first entry
+                where[p] = -1
+
+
+@cuda.jit(cache=True)
+def _count_found(where, found):
+    for p in range(cuda.grid(1), where.size, cuda.gridsize(1)):
+        if where[p] >= 0:
+            cuda.atomic.add(found, 0, 1)
+
+
+def tile_locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
+    """locate_ranked by tiles (the kernels above) on a base in device memory: (where on the
+    device, found, sizes on the host: every class's, as the other paths give them), or None where the section lists more than TILE_LISTED classes or the class
+    field is wider than a byte (the caller takes another path)."""
+    from pulsediff.kernels.class_sort import check_offsets
+
+    _check_class_field(shift, mask)
+    ncls = mask + 1
+    if ncls > 256:
+        return None
+    d_base = _bits(base, signed64=True)
+    d_ranks = _indices(ranks)
+    m = d_ranks.size
+    offsets = check_offsets(_device_view(class_offsets).copy_to_host() if is_device_array(class_offsets)
+                            else class_offsets, ncls, m)
+    listed = np.flatnonzero(np.diff(offsets) > 0)
+    if listed.size > TILE_LISTED:
+        return None
+    n = d_base.size
+    where = cuda.to_device(np.full(m, -1, np.int64))
+    sizes = np.zeros(ncls, np.int64)
+    if n == 0:
+        return where, 0, sizes
+    _, _, max_blocks = _launch_config()
+    lut = np.full(ncls, _UNLISTED, np.uint8)
+    lut[listed] = np.arange(listed.size)
+    d_lut = cuda.to_device(lut)
+    tiles = -(-n // TILE)
+    nlisted = max(1, listed.size)  # a section with no entries still counts its (unlisted) sizes
+    counts = _zeros((tiles, nlisted), np.int64)
+    unlisted = _zeros(ncls, np.int64)
+    grid = min(tiles, max_blocks)
+    shared, at = _tile_shared_layout(listed.size)
+    _tile_listed_counts[grid, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, listed.size, at, counts, unlisted)
+    listed_sizes = _starts_from_histograms(counts, nlisted)  # counts -> each tile's first ranks
+    sizes = unlisted.copy_to_host()
+    sizes[listed] = listed_sizes.copy_to_host()[:listed.size]
+    if not m:
+        return where, 0, sizes
+    bounds = cuda.device_array((tiles + 1, nlisted), np.int64)
+    d_lo = cuda.to_device(np.ascontiguousarray(offsets[listed], np.int64))
+    d_hi = cuda.to_device(np.ascontiguousarray(offsets[listed + 1], np.int64))
+    tpb, _, _ = _launch_config()
+    _tile_entry_bounds[min(-(-(tiles + 1) * nlisted // tpb), max_blocks), tpb](counts, d_lo, d_hi, d_ranks, bounds)
+    _tile_locate[grid, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, listed.size, at, counts, bounds, d_ranks,
+                                                where)
+    entry_grid = min(-(-m // tpb), max_blocks)
+    _unfound_stalled[entry_grid, tpb](d_ranks, d_lo, where)
+    found = _zeros(1, np.int64)
+    _count_found[entry_grid, tpb](where, found)
+    return where, int(found.copy_to_host()[0]), sizes
+
+
 def _sort_on_gpu(*arrays) -> bool:
     """Whether the class-sort path (kernels.class_sort, torch on the GPU) takes these arrays:
     a real GPU (not the simulator, whose device memory torch cannot see), a CUDA build of
@@ -1094,11 +1334,17 @@ def _torch_of(a):
 
 def locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
     """The entries' positions in `base` (-1: not found), how many were found, and the base's
-    class sizes. For a base in GPU memory on a real GPU, by a stable sort of its class keys
-    (kernels.class_sort: CUB's radix sort through torch, one digit pass for BF16); otherwise by
-    `chunk_class_starts` and the rank walk of `ranked_positions`. Positions stay on the device
-    when the base is there; sizes come back to the host (a few KiB)."""
+    class sizes. For a base in device memory, by tiles (`tile_locate_ranked`: two reads of the
+    base, nothing sorted); where a section lists more classes than a tile counts, on a real GPU
+    by a stable sort of the class keys (kernels.class_sort: CUB's radix sort through torch, one
+    digit pass for BF16); otherwise by `chunk_class_starts` and the rank walk of
+    `ranked_positions`. Positions stay on the device when the base is there; sizes come back to
+    the host (a few KiB)."""
     _check_class_field(shift, mask)
+    if is_device_array(base):
+        tiled = tile_locate_ranked(base, shift, mask, class_offsets, ranks)
+        if tiled is not None:
+            return tiled
     if _sort_on_gpu(base):
         from pulsediff.kernels import class_sort
 
