@@ -33,6 +33,10 @@ sorted keys, int64 permutation and CUB's scratch: ~30 B per element of a window,
 2**24), whatever the tensor's size; a class's ranks then continue from the windows before
 (`seen`), as in the CPU backend's `ranked_window`.
 
+Since the tile kernels (kernels.cuda.tile_locate_ranked: two reads of the base, nothing sorted),
+the live apply takes this locate only for a section listing more classes than a tile counts; make's
+diff_ranks still takes this sort.
+
 The same code runs on CPU tensors, which is how it is checked against tests/reference.py on
 machines without a GPU; the CUDA backend uses it for tensors in GPU memory
 (`kernels.cuda.locate_ranked`, `kernels.cuda.diff_ranks`).

@@ -113,6 +113,10 @@ rather than by every element:
 Each round costs two barriers. Tables of counts within a range are int32:
 ranges are kept under 2**30 elements.
 
+`locate_ranked` on a device base (the live apply) does not walk in rounds:
+`tile_locate_ranked` (its section below) counts per thread and per tile and
+reads the base twice, with a fixed number of barriers per 4096 elements.
+
 Hostile input to `apply_ranked` (entries of a decoded patch): an entry whose
 rank is outside its class (>= the class size, or negative) is never written
 and not counted, as on the CPU; an entry whose rank is not above the previous
