@@ -681,8 +681,8 @@ def test_ranked_positions(cuda_k, cpu_k, case):
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_locate_ranked(cuda_k, cpu_k, case):
-    """Class sizes and positions together, host and device base (on a real GPU the device base
-    takes kernels.class_sort's sort; under the simulator the walk)."""
+    """Class sizes and positions together, host and device base (a device base takes the tile
+    kernels; a host base the walk)."""
     _, make, shift, mask = case
     rng = np.random.default_rng(25)
     for n, density in [(1, "all"), (130, 0.0), (301, 0.05), (77, "all")]:
