@@ -706,7 +706,8 @@ def test_tile_locate_ranked(cuda_k, case):
     A section listing more classes than a tile counts is left to the other paths (None)."""
     _, make, shift, mask = case
     rng = np.random.default_rng(31)
-    for n, density in [(2 * cuda_k.TILE + 77, 0.02), (300, "all"), (1, "all"), (130, 0.0)]:
+    for n, density in [(2 * cuda_k.TILE + 77, 0.02), (2 * cuda_k.TILE + 77, "all"), (300, "all"), (1, "all"),
+                       (130, 0.0)]:
         base = make(rng, n)
         positions = pick_positions(rng, n, density)
         ranks, sizes = class_ranks_ref(base, shift, mask, positions)

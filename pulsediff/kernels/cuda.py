@@ -1241,21 +1241,50 @@ def _tile_locate(bits, shift, mask, lut, nlisted, at, firsts, bounds, ranks, whe
 
 
 @cuda.jit(cache=True)
-def _unfound_stalled(ranks, class_lo, where):
-    # An entry whose rank is not above the previous entry's of its class (a damaged patch) is not
-    # found, as on the other paths, so that a count of every entry means every rank rose.
-    for p in range(cuda.grid(1), ranks.size, cuda.gridsize(1)):
-        if p > 0 and ranks[p] <= ranks[p - 1]:
-            c = _lower_bound(class_lo, 0, class_lo.size, p)
-            if c == class_lo.size or class_lo[c] != p:  # not its class's first entry
-                where[p] = -1
+def _fill_int64(out, value):
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = value
 
 
 @cuda.jit(cache=True)
-def _count_found(where, found):
-    for p in range(cuda.grid(1), where.size, cuda.gridsize(1)):
-        if where[p] >= 0:
-            cuda.atomic.add(found, 0, 1)
+def _settle_found(ranks, class_lo, where, found):
+    # An entry whose rank is not above the previous entry's of its class (a damaged patch) is not
+    # found, as on the other paths, so that a count of every entry means every rank rose; the found
+    # ones are counted per thread, summed in the block, and added with one atomic per block.
+    total = cuda.shared.array(0, int64)
+    count = int64(0)
+    for p in range(cuda.grid(1), ranks.size, cuda.gridsize(1)):
+        stalled = False
+        if p > 0 and ranks[p] <= ranks[p - 1]:
+            c = _lower_bound(class_lo, 0, class_lo.size, p)
+            stalled = c == class_lo.size or class_lo[c] != p  # not its class's first entry
+        if stalled:
+            where[p] = -1
+        elif where[p] >= 0:
+            count += 1
+    t = cuda.threadIdx.x
+    total[t] = count
+    cuda.syncthreads()
+    half = cuda.blockDim.x // 2
+    while half > 0:
+        if t < half:
+            total[t] += total[t + half]
+        cuda.syncthreads()
+        half //= 2
+    if t == 0:
+        cuda.atomic.add(found, 0, total[0])
+
+
+def _scan_tile_counts(counts, nlisted: int):
+    """In place: counts[tile, slot] -> the listed class's elements before the tile; returns the
+    listed classes' sizes (host). torch's cumsum (CUB's scan) on a real GPU: the column scan
+    kernel above takes 8 columns per block, too few blocks for a table of every tile's counts."""
+    if _sort_on_gpu(counts):
+        table = _torch_of(counts).view(counts.shape)
+        sizes = table.sum(0)
+        table.copy_(table.cumsum(0) - table)
+        return sizes.cpu().numpy()
+    return _starts_from_histograms(counts, nlisted).copy_to_host()
 
 
 def tile_locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
@@ -1277,37 +1306,37 @@ def tile_locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
     if listed.size > TILE_LISTED:
         return None
     n = d_base.size
-    where = cuda.to_device(np.full(m, -1, np.int64))
+    tpb, _, max_blocks = _launch_config()
+    where = cuda.device_array(m, np.int64)  # filled on the device: nothing of size m crosses the bus
+    if m:
+        _fill_int64[min(-(-m // tpb), max_blocks), tpb](where, -1)
     sizes = np.zeros(ncls, np.int64)
     if n == 0:
         return where, 0, sizes
-    _, _, max_blocks = _launch_config()
     lut = np.full(ncls, _UNLISTED, np.uint8)
     lut[listed] = np.arange(listed.size)
     d_lut = cuda.to_device(lut)
     tiles = -(-n // TILE)
     nlisted = max(1, listed.size)  # a section with no entries still counts its (unlisted) sizes
-    counts = _zeros((tiles, nlisted), np.int64)
+    # Every cell is written where a class is listed (no copy of zeros over the bus); else one column of zeros.
+    counts = cuda.device_array((tiles, nlisted), np.int64) if listed.size else _zeros((tiles, 1), np.int64)
     unlisted = _zeros(ncls, np.int64)
     grid = min(tiles, max_blocks)
     shared, at = _tile_shared_layout(listed.size)
     _tile_listed_counts[grid, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, listed.size, at, counts, unlisted)
-    listed_sizes = _starts_from_histograms(counts, nlisted)  # counts -> each tile's first ranks
+    listed_sizes = _scan_tile_counts(counts, nlisted)  # counts -> each tile's first ranks
     sizes = unlisted.copy_to_host()
-    sizes[listed] = listed_sizes.copy_to_host()[:listed.size]
+    sizes[listed] = listed_sizes[:listed.size]
     if not m:
         return where, 0, sizes
     bounds = cuda.device_array((tiles + 1, nlisted), np.int64)
     d_lo = cuda.to_device(np.ascontiguousarray(offsets[listed], np.int64))
     d_hi = cuda.to_device(np.ascontiguousarray(offsets[listed + 1], np.int64))
-    tpb, _, _ = _launch_config()
     _tile_entry_bounds[min(-(-(tiles + 1) * nlisted // tpb), max_blocks), tpb](counts, d_lo, d_hi, d_ranks, bounds)
     _tile_locate[grid, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, listed.size, at, counts, bounds, d_ranks,
                                                 where)
-    entry_grid = min(-(-m // tpb), max_blocks)
-    _unfound_stalled[entry_grid, tpb](d_ranks, d_lo, where)
     found = _zeros(1, np.int64)
-    _count_found[entry_grid, tpb](where, found)
+    _settle_found[min(-(-m // tpb), max_blocks), tpb, 0, tpb * _SHARED_ITEM](d_ranks, d_lo, where, found)
     return where, int(found.copy_to_host()[0]), sizes
 
 
