@@ -33,7 +33,7 @@ def vllm_sync(
 ) -> None:
     """Move a running vLLM server to a step of a series: pause, verified update, caches reset, resume.
 
-    Everything is checked before the server's weights change: a wrong base, a damaged or missing patch, a missing step or a bad signature leave it serving its old weights.
+    Everything is checked before the server's weights change: a wrong base, a damaged or missing patch, a missing step or a bad signature leave it serving its old weights. With tensor or pipeline parallelism every worker takes the step, or none does.
     """
     from pulsediff.engines.vllm_client import ServerClient, sync_server
 
