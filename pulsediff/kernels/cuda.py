@@ -1251,7 +1251,7 @@ def _settle_found(ranks, class_lo, where, found):
     # An entry whose rank is not above the previous entry's of its class (a damaged patch) is not
     # found, as on the other paths, so that a count of every entry means every rank rose; the found
     # ones are counted per thread, summed in the block, and added with one atomic per block.
-    total = cuda.shared.array(0, int64)
+    sh = cuda.shared.array(0, int64)
     count = int64(0)
     for p in range(cuda.grid(1), ranks.size, cuda.gridsize(1)):
         stalled = False
@@ -1262,17 +1262,9 @@ def _settle_found(ranks, class_lo, where, found):
             where[p] = -1
         elif where[p] >= 0:
             count += 1
-    t = cuda.threadIdx.x
-    total[t] = count
-    cuda.syncthreads()
-    half = cuda.blockDim.x // 2
-    while half > 0:
-        if t < half:
-            total[t] += total[t + half]
-        cuda.syncthreads()
-        half //= 2
-    if t == 0:
-        cuda.atomic.add(found, 0, total[0])
+    block = _block_sum(sh, count)
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.add(found, 0, block)
 
 
 def _scan_tile_counts(counts, nlisted: int):
