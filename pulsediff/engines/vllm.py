@@ -124,10 +124,9 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> PulsediffUpdateInfo:
         try:
-            request = parse_update_request(update_dict)
+            return _typed(update_dict)
         except UsageError as exc:
             raise ValueError(f"pulsediff: {exc} {KEPT}") from None
-        return PulsediffUpdateInfo(request.source, request.step, request.trust)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(update_info)  # parsed inside, so that a bad request is agreed on like any refusal
@@ -139,7 +138,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         state, advance, failure = None, None, ""
         try:  # every failure here becomes this rank's outcome: each rank must reach the agreement
             if not isinstance(update_info, PulsediffUpdateInfo):
-                update_info = self.parse_update_info(update_info)
+                update_info = _typed(update_info)  # a UsageError: one line, like any refusal below
             cache = os.environ.get(CACHE_ENV) or None
             # The operator's keys, when set, decide: a request cannot drop them (nor take a lone patch file).
             trust = os.environ.get(TRUST_ENV, "").split(",") if os.environ.get(TRUST_ENV) else update_info.trust
@@ -151,8 +150,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                                     os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None,
                                     stage=True)
         except BaseException as exc:  # the host state was put back, and the engine was not touched
-            failure = str(exc).removeprefix("pulsediff: ").removesuffix(KEPT).strip() \
-                if isinstance(exc, (PulsediffError, ValueError)) else f"{type(exc).__name__}: {exc}"
+            failure = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
         suffix = UNDEFINED if self.engine_stale else KEPT
         verdict = self.agreed(Outcome(self.rank, advance is not None, advance.digest if advance else "", failure),
                               "so no rank took the update")
@@ -316,6 +314,12 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                 on_device = [p._replace(values=p.values.to(self.device), indices=None if p.indices is None
                                         else p.indices.to(self.device)) for p in batch]
                 load_checkpoint_weight_patches(self.model, on_device, max_chunk_bytes=STAGING_BYTES)
+
+
+def _typed(update_dict) -> PulsediffUpdateInfo:
+    """update_weights' update_info checked (state.parse_update_request: UsageError, one line) and typed."""
+    request = parse_update_request(update_dict)
+    return PulsediffUpdateInfo(request.source, request.step, request.trust)
 
 
 SPARSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # NaN exists and torch.isnan works everywhere
