@@ -7,7 +7,13 @@ backend, alternating in one engine, in one run (issue 35):
 - today's path: `pulsediff apply STEP_N-1 PATCH -o DIR` (a fresh process, as a user runs it), then vLLM's
   `reload_weights(weights_path=DIR)`;
 - the floor: vLLM's `reload_weights(weights_path=STEP_N)` from the new checkpoint already on disk. A CPU
-  engine repacks every touched Linear weight on any update, so no update can go much below it.
+  engine repacks every touched Linear weight on any update, so no update can go much below it;
+- pulsediff prepared ahead: `prepare_llm(llm, SERIES, step=N, wait=True)` first (the fetch, checks and decode,
+  run in the background while an engine would go on serving; timed apart), then the timed `update_llm` to
+  the same step, whose critical path is then the load.
+
+Each round takes two steps: the plain backend the first, the prepared one the second (each from the step
+before, one patch each), then the floor and today's path to the second.
 
 Then, in this process, without an engine: the decode alone, `apply_to_state_dict` of each patch on host
 tensors, against torch's `index_copy_` of the same changes as raw int64 indices and BF16 values (what the
@@ -49,13 +55,15 @@ def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[st
 
     actions = []
     for r in range(rounds):
-        step, prev = r + 1, train / f"step_{r:06d}"
-        ours = {"timed_update": [{"source": str(outbox), "step": step}], "what": "pulsediff"}
+        first, step = 2 * r + 1, 2 * r + 2
+        ours = {"timed_update": [{"source": str(outbox), "step": first}], "what": "pulsediff"}
+        prepared = {"timed_prepared_update": [{"source": str(outbox), "step": step}], "what": "prepared"}
         floor = {"timed_reload": [str(train / f"step_{step:06d}")], "what": "floor"}
-        today = {"timed_apply_reload": {"base": str(prev), "patch": str(outbox / f"patch-{r:08d}-{step:08d}.pulsediff"),
+        today = {"timed_apply_reload": {"base": str(train / f"step_{first:06d}"),
+                                        "patch": str(outbox / f"patch-{first:08d}-{step:08d}.pulsediff"),
                                         "out": str(work / "applied")}, "what": "today"}
-        order = [ours, floor, today]
-        actions += order[r % 3:] + order[:r % 3]  # each path first in turn
+        # Each first in turn; the backend's two keep their order (the second goes on from the first's step).
+        actions += [[ours, prepared, floor, today], [floor, ours, prepared, today], [today, floor, ours, prepared]][r % 3]
     plan = {"model": str(train / "step_000000"), "backend": "pulsediff", "actions": actions}
     (work / "plan.json").write_text(json.dumps(plan))
     import subprocess
@@ -67,6 +75,8 @@ def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[st
     times: dict[str, list[float]] = {}
     for record in results[1:]:
         times.setdefault(record["action"]["what"], []).extend(record["seconds"])
+        if "prepare_seconds" in record:
+            times.setdefault("prepare", []).extend(record["prepare_seconds"])
         # the worker's peak resident memory above where it stood, in GB (timed_update and timed_reload)
         times.setdefault(record["action"]["what"] + " memory", []).extend(
             kib * 1024 / 1e9 for kib in record.get("peak_extra_kib", []))
@@ -123,10 +133,10 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     shape = None if args.tiny else {**SHAPE, "num_hidden_layers": args.layers}
-    train = make_series("qwen2", work, args.rounds, shape=shape)
+    train = make_series("qwen2", work, 2 * args.rounds, shape=shape)
     outbox = publish(train, work / "outbox", "--anchor-every", "1000")
     size = (train / "step_000000" / "model.safetensors").stat().st_size
-    print(f"series of {args.rounds + 1} steps ({size / 1e9:.2f} GB each) made in {time.perf_counter() - start:.0f} s",
+    print(f"series of {2 * args.rounds + 1} steps ({size / 1e9:.2f} GB each) made in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     patch_bytes = statistics.median((outbox / f"patch-{r:08d}-{r + 1:08d}.pulsediff").stat().st_size
                                     for r in range(args.rounds))
@@ -138,6 +148,7 @@ def main(argv=None) -> int:
     print("| update of a running engine | median | ratio to the floor | worker's peak extra memory |")
     print("|---|---:|---:|---:|")
     for key, label in (("pulsediff", "pulsediff backend: update_llm (verify, decode, layerwise reload from memory)"),
+                       ("prepared", "pulsediff backend, prepared ahead: update_llm after prepare_llm has ended"),
                        ("today", "today's path: `pulsediff apply` to a folder, then reload_weights from it"),
                        ("floor", "floor: reload_weights from the new checkpoint on disk")):
         memory = med.get(key + " memory")
@@ -146,6 +157,7 @@ def main(argv=None) -> int:
     split = [line.split("pulsediff: ", 1)[1].strip() for line in (work / "engine.log").read_text().splitlines()
              if "verified and decoded" in line]
     print(f"\n(engine start: {med['engine start']:.1f} s; pulsediff / today's path: {med['pulsediff'] / med['today']:.2f}; "
+          f"prepare_llm, in the background before the prepared update: {med['prepare']:.3f} s; "
           "the backend's own log, per update:)\n")
     for line in split:
         print(f"    {line}")

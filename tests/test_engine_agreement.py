@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pulsediff.engines.agreement import RECORD_BYTES, Outcome, Verdict, agree, refusal
+from pulsediff.engines.agreement import PREPARE, RECORD_BYTES, Outcome, Verdict, agree, refusal
 
 D1, D2 = "xxh3tree:" + "1" * 32, "xxh3tree:" + "2" * 32
 
@@ -45,6 +45,11 @@ def test_refusal_rules():
     other = Outcome(1, True, D2)
     says = refusal(ok0, [ok0, other], then)
     assert D1 in says and D2 in says and "different checkpoints" in says
+    # Ranks asked to prepare (engines/vllm.py) agree among themselves, never with a rank asked to update.
+    p0, p1 = Outcome(0, True, PREPARE), Outcome(1, True, PREPARE)
+    assert refusal(p0, [p0, p1], then) is None
+    assert "some to prepare an update, others to take one" in refusal(p0, [p0, ok1], then)
+    assert "some to prepare an update, others to take one" in refusal(ok1, [p0, ok1], then)
 
 
 def test_one_rank_alone_decides_and_reports_for_itself():

@@ -171,6 +171,99 @@ def test_a_refused_staged_update_leaves_nothing_staged(series, tmp_path):
     assert_at(state, train, 1)
 
 
+def test_a_prepared_update_is_taken_by_the_next_advance_of_its_source(series):
+    """prepare() does the work on a thread of its own and touches nothing an engine sees until the next
+    advance of the same source takes it: that advance returns the same result as one made without it
+    (target, changes, links), staged back to where the state stood before the preparation."""
+    train, outbox = series
+    plain = load_host_state(train / "step_000000")
+    direct = plain.advance(str(outbox), 2)
+    state = load_host_state(train / "step_000000")
+    before, fields = snapshot(state), (state.step, dict(state.sums))
+    assert state.prepare(str(outbox), 2)
+    state.settle()
+    assert state.prepare_error == "" and state.prepared is not None and not state.preparing
+    assert_at(state, train, 2)  # prepared in the host state, and held staged
+    advance = state.advance(str(outbox), 2, stage=True)
+    assert (advance.status, advance.step, advance.digest, advance.links, advance.prepared) == (
+        "applied", 2, direct.digest, direct.links, True)
+    assert not direct.prepared
+    assert advance.changes.keys() == direct.changes.keys()
+    for name, positions in direct.changes.items():
+        assert np.array_equal(np.sort(advance.changes[name]), np.sort(positions)), name
+    assert state.prepared is None
+    state.revert()  # a refused verdict takes back the preparation too: back to where the engine is
+    assert_unchanged(state, before)
+    assert (state.step, state.sums, state.staged) == (*fields, None)
+
+
+def test_an_advance_goes_on_from_a_preparation_and_reports_every_position_of_both(series):
+    """Prepared to step 1, asked for the newest: the advance goes on from step 1, and its changes are
+    those of both legs (what an engine still at step 0 must load)."""
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    assert state.prepare(str(outbox), 1)
+    advance = state.advance(str(outbox))  # waits for the preparation, then the rest of the way
+    assert (advance.status, advance.step, state.step, state.staged) == ("applied", STEPS, STEPS, None)
+    assert_at(state, train, STEPS)
+    for name in advance.changes:
+        written = advance.changes[name]
+        net = np.flatnonzero(bits(step_tensors(train, 0)[name]) != bits(state.tensors[name]))
+        assert written is None or (np.isin(net, written).all() and np.unique(written).size == written.size), name
+    # Every changed tensor is there: none is left out because only the first leg wrote it.
+    changed = {n for n, t in step_tensors(train, 0).items()
+               if not np.array_equal(bits(t), bits(state.tensors[n]))}
+    assert changed <= set(advance.changes)
+
+
+def test_a_preparation_of_another_source_is_taken_back_first(series):
+    train, outbox = series
+    state = load_host_state(train / "step_000001")
+    assert state.prepare(str(outbox / "patch-00000001-00000002.pulsediff"))
+    advance = state.advance(str(outbox), 1)  # the series, at the step the state stood at before
+    assert (advance.status, advance.step, advance.changes, advance.prepared) == ("up-to-date", 1, {}, False)
+    assert_at(state, train, 1)
+    assert state.staged is None and state.prepared is None
+
+
+def test_a_failed_preparation_changes_nothing_and_says_why(series):
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    before = snapshot(state)
+    assert state.prepare(str(outbox), 99)
+    state.settle()
+    assert "99" in state.prepare_error and "\n" not in state.prepare_error
+    assert state.prepared is None and state.staged is None
+    assert_unchanged(state, before)
+    assert state.advance(str(outbox), 1).step == 1  # the next update does the work itself
+    assert_at(state, train, 1)
+
+
+def test_one_preparation_at_a_time_and_commit_or_revert_wait_for_it(series, monkeypatch):
+    import threading
+
+    from pulsediff.engines import state as state_module
+
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    release = threading.Event()
+    real = state_module.HostState._advance
+
+    def slow(self, *args):
+        release.wait(30)
+        return real(self, *args)
+
+    monkeypatch.setattr(state_module.HostState, "_advance", slow)
+    assert state.prepare(str(outbox), 1)
+    assert state.preparing
+    assert not state.prepare(str(outbox), 2)  # refused while the first runs: nothing started
+    release.set()
+    state.commit()  # waits for it, then keeps it
+    assert not state.preparing and state.staged is None and state.prepared is None
+    assert_at(state, train, 1)
+    assert state.step == 1
+
+
 def corrupt(path: Path, where: float) -> None:
     data = bytearray(path.read_bytes())
     data[int(len(data) * where)] ^= 0x20
@@ -242,6 +335,8 @@ for _ in range(10_000):  # 10,000 lists deep: refused by type, never walked
     ({"source": "s", "trust": "/etc/passwd"}, "'trust'"),  # a file would be read on the engine's machine
     ({"source": "s", "steps": 1}, "unknown key 'steps'"),
     ({"source": "s", "trust": NESTED}, "'trust'"),
+    ({"source": "s", "prepare": 1}, "'prepare'"),
+    ({"source": "s", "prepare": "yes"}, "'prepare'"),
     ({"source": NESTED}, "'source' must be"),
     ({"source": "s" * 5000}, "'source' must be"),
 ], ids=lambda v: v[:40] if isinstance(v, str) else type(v).__name__)
@@ -252,7 +347,8 @@ def test_update_requests_are_checked_for_type_and_range(info, says):
 
 def test_a_good_update_request():
     request = parse_update_request({"source": "s3://b/run", "step": 7, "trust": "ed25519:abc"})
-    assert (request.source, request.step, request.trust) == ("s3://b/run", 7, ("ed25519:abc",))
+    assert (request.source, request.step, request.trust, request.prepare) == ("s3://b/run", 7, ("ed25519:abc",), False)
+    assert parse_update_request({"source": "s", "prepare": True}).prepare is True
 
 
 def test_a_series_and_a_patch_url_over_http(series, tmp_path):

@@ -123,7 +123,11 @@ def test_qwen2_follows_a_series_bit_for_bit_and_refuses_bad_updates(qwen2, qwen2
                {"update": {"source": str(outbox), "step": 1}}, {"observe": "step 1"},
                {"update": {"source": str(outbox / "patch-00000001-00000002.pulsediff")}}, {"observe": "step 2"}]
     actions += [{"raw_update": request} for request, _ in bad.values()]  # the workers' own checks
-    actions += [{"observe": "after refusals"}, {"update": {"source": str(outbox)}}, {"observe": f"step {STEPS}"}]
+    actions += [{"observe": "after refusals"},
+                # Prepared ahead: the engine serves step 2 until the update, which then loads only.
+                {"raw_update": {"source": str(outbox), "prepare": "yes"}},  # malformed: refused, nothing started
+                {"prepare": {"source": str(outbox)}}, {"observe": "prepared"},
+                {"update": {"source": str(outbox)}}, {"observe": f"step {STEPS}"}]
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff", "actions": actions}, tmp_path)
 
     for step in (1, 2, STEPS):
@@ -133,12 +137,20 @@ def test_qwen2_follows_a_series_bit_for_bit_and_refuses_bad_updates(qwen2, qwen2
     assert last_load(observed(live, "step 1")) == "reload"  # vLLM's CPU backend: layerwise reload
     updates = [r for r in live if "update" in r["action"] or "raw_update" in r["action"]]
     assert all("error" not in r for r in updates[:2] + updates[-1:])
-    for (name, (_, says)), record in zip(bad.items(), updates[2:-1]):
+    for (name, (_, says)), record in zip(bad.items(), updates[2:2 + len(bad)]):
         assert "error" in record, f"{name}: accepted"
         assert says in record["error"] and "\n" not in record["error"].strip(), (name, record["error"])
     kept, before = observed(live, "after refusals"), observed(live, "step 2")
     same_engine(kept, before)
     assert kept["version"] == before["version"]  # the lone patch's target digest, untouched by the refusals
+    malformed = updates[2 + len(bad)]
+    assert "'prepare' must be true or false" in malformed["error"] and "\n" not in malformed["error"].strip()
+    prepared = next(r for r in live if "prepare" in r["action"])
+    assert "error" not in prepared and prepared["target"] == str(STEPS)
+    same_engine(observed(live, "prepared"), before)  # decoded in the background: nothing the engine serves changed
+    assert observed(live, "prepared")["version"] == before["version"]
+    assert observed(live, f"step {STEPS}")["weights"][0]["<last_prepared>"] is True
+    assert observed(live, "step 1")["weights"][0]["<last_prepared>"] is False
 
 
 def test_tied_llama_with_plain_weights_takes_sparse_in_place_updates(tmp_path_factory):
@@ -181,21 +193,25 @@ def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_pat
     split = [[{"source": str(outbox), "step": 1}, {"source": str(outbox), "step": 99}],
              [{"source": str(outbox), "step": 1}, {"source": str(outbox), "step": 2}],
              [{"source": str(outbox), "step": 98}, {"source": str(outbox), "step": 99}],
-             [{"source": 1}, {"source": 1}]]  # malformed: refused by the same agreement
+             [{"source": 1}, {"source": 1}],  # malformed: refused by the same agreement
+             [{"source": str(outbox), "step": 1, "prepare": True}, {"source": str(outbox), "step": 1}]]  # a mix
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff", "tp": 2,
                        "actions": [{"observe": "start"}] + [{"raw_update": request} for request in split]
-                       + [{"observe": "after refusals"}, {"update": {"source": str(outbox)}}, {"observe": "newest"}]},
+                       + [{"observe": "after refusals"}, {"prepare": {"source": str(outbox)}},
+                          {"update": {"source": str(outbox)}}, {"observe": "newest"}]},
                       tmp_path)
     refused = [r for r in live if "raw_update" in r["action"]]
     assert "step 99" in refused[0].get("error", "accepted"), refused[0]
     assert "different checkpoints" in refused[1].get("error", "accepted"), refused[1]
     assert "step 99" in refused[2].get("error", "accepted"), refused[2]  # the last rank's own line
     assert "'source' must be" in refused[3].get("error", "accepted"), refused[3]
+    assert "some to prepare an update" in refused[4].get("error", "accepted"), refused[4]
     same_engine(observed(live, "after refusals"), observed(live, "start"))  # every rank kept its weights
     assert observed(live, "after refusals")["version"] == observed(live, "start")["version"]
     newest = next(r for r in live if "update" in r["action"])
     assert "error" not in newest, newest  # and the ranks take the next update together
     assert len(observed(live, "newest")["weights"]) == 2
+    assert [w["<last_prepared>"] for w in observed(live, "newest")["weights"]] == [True, True]  # both went on from it
     same_engine(observed(live, "newest"), observed(fresh, "fresh"))
 
 
@@ -322,6 +338,8 @@ def test_bench_vllm_runs_and_reports_every_row(tmp_path):
     proc = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "bench_vllm.py"), "--tiny",
                            "--rounds", "2", "--work", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for row in ("| pulsediff backend", "| today's path", "| floor", "as the backend decodes", "| torch `index_copy_`"):
+    for row in ("| pulsediff backend:", "| pulsediff backend, prepared ahead", "| today's path", "| floor",
+                "as the backend decodes", "| torch `index_copy_`"):
         assert row in proc.stdout, row
-    assert proc.stdout.count("verified and decoded") == 2
+    assert proc.stdout.count("verified and decoded") == 4  # two rounds, each with a plain and a prepared update
+    assert proc.stdout.count("links, prepared ahead)") == 2

@@ -8,9 +8,13 @@ PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "actio
   {"observe": LABEL}                    record the weights' fingerprints and a greedy generation
   {"update": {source, step?, trust?}}   pulsediff.engines.vllm_client.update_llm; its error, if any, is recorded
   {"raw_update": {...}}                 start/update/finish without update_llm's own checks (the workers' alone)
+  {"prepare": {source, step?, trust?}}  pulsediff.engines.vllm_client.prepare_llm, waiting until every worker's
+                                        preparation has ended (its error, if any, is recorded)
   {"reload": DIR}                       vLLM's own reload_weights from a checkpoint on disk (the reference)
   {"timed_update": [{...}, ...]}        (benchmarks) seconds of each update, and the worker's peak resident
                                         memory above where it stood before (Linux's clear_refs)
+  {"timed_prepared_update": [{...}, ...]}  (benchmarks) the same after prepare_llm of the same request has ended
+                                        (its seconds in "prepare_seconds")
   {"timed_reload": [DIR, ...]}          (benchmarks) the same for vLLM's reload_weights
 RESULT: one record per action, in order.
 
@@ -41,7 +45,7 @@ def fingerprints(worker) -> dict:
 
     model = worker.model_runner.get_model()
     engine = getattr(worker, "weight_transfer_engine", None)
-    out = {"<last_load>": getattr(engine, "last_load", "")}
+    out = {"<last_load>": getattr(engine, "last_load", ""), "<last_prepared>": getattr(engine, "last_prepared", None)}
     for module_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             t = p.detach().contiguous().reshape(-1)
@@ -78,7 +82,7 @@ def main(plan_path: str, result_path: str) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     from vllm import LLM, SamplingParams
 
-    from pulsediff.engines.vllm_client import update_llm
+    from pulsediff.engines.vllm_client import prepare_llm, update_llm
 
     extra = {}
     if plan.get("backend"):
@@ -112,6 +116,11 @@ def main(plan_path: str, result_path: str) -> int:
                 record["target"] = update_llm(llm, **action["update"]).version
             except Exception as exc:  # recorded: the test decides whether it should have failed
                 record["error"] = f"{type(exc).__name__}: {exc}"
+        elif "prepare" in action:
+            try:
+                record["target"] = prepare_llm(llm, **action["prepare"], wait=True).version
+            except Exception as exc:
+                record["error"] = f"{type(exc).__name__}: {exc}"
         elif "raw_update" in action:  # the four calls without update_llm's own checks: the workers decide
             try:
                 llm.start_weight_update()
@@ -122,9 +131,13 @@ def main(plan_path: str, result_path: str) -> int:
         elif "reload" in action:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": action["reload"]})
             llm.reset_prefix_cache()
-        elif "timed_update" in action:
-            seconds, extra_kib = [], []
-            for request in action["timed_update"]:
+        elif "timed_update" in action or "timed_prepared_update" in action:
+            seconds, extra_kib, prepare_seconds = [], [], []
+            for request in action.get("timed_update") or action["timed_prepared_update"]:
+                if "timed_prepared_update" in action:
+                    t = time.perf_counter()
+                    prepare_llm(llm, **request, wait=True)
+                    prepare_seconds.append(time.perf_counter() - t)
                 before = llm.collective_rpc(reset_peak)[0]  # the worker's process (rank 0)
                 t = time.perf_counter()
                 update_llm(llm, **request)
@@ -132,6 +145,8 @@ def main(plan_path: str, result_path: str) -> int:
                 extra_kib.append(llm.collective_rpc(peak)[0] - before)
             record["seconds"] = seconds
             record["peak_extra_kib"] = extra_kib  # the worker's resident memory above where it stood
+            if prepare_seconds:
+                record["prepare_seconds"] = prepare_seconds
         elif "timed_apply_reload" in action:  # today's path: `pulsediff apply` to a folder, then reload from it
             import shutil
             import subprocess

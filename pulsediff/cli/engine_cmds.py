@@ -28,6 +28,11 @@ def vllm_sync(
                                         "seconds until interrupted (Ctrl-C).")] = False,
     interval: Annotated[float, typer.Option("--interval", metavar="SECONDS", min=0.1,
                                             help="With --watch: seconds between looks.")] = 2.0,
+    prepare_ahead: Annotated[float, typer.Option("--prepare-ahead", metavar="SECONDS", min=0.0,
+                                                 help="Have the server's workers fetch, check and decode each update "
+                                                 "in the background while it goes on generating, and pause only "
+                                                 "this many seconds later: the pause then lasts for the load "
+                                                 "alone (0: pause at once).")] = 0.0,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -42,7 +47,7 @@ def vllm_sync(
     if watch and step is not None:
         raise UsageError("--watch follows the newest step; leave out --step")
     while True:
-        result = sync_server(server, source, step=step, trust=trust or None, client=client)
+        result = sync_server(server, source, step=step, trust=trust or None, client=client, prepare_ahead=prepare_ahead)
         if as_json:
             out.json({"status": result.status, "weight_version": result.version, "before": result.before,
                       "seconds": round(result.seconds, 3)})

@@ -74,6 +74,9 @@ def exchange(record: bytes, groups: list) -> list[bytes]:
     return records
 
 
+PREPARE = "prepare"  # the target a rank asked only to prepare reports: never an update's digest
+
+
 @dataclass(frozen=True)
 class Verdict:
     refusal: str | None  # why no rank may go on (one line); None: every rank may
@@ -91,6 +94,9 @@ def refusal(mine: Outcome, outcomes: list[Outcome], consequence: str) -> str | N
     reached = {}
     for o in sorted(outcomes, key=lambda o: o.rank):
         reached.setdefault(o.digest, o.rank)
+    if len(reached) > 1 and PREPARE in reached:
+        return ("the engine's ranks were not all asked the same: some to prepare an update, others to take "
+                f"one, {consequence}")
     if len(reached) > 1:
         seen = ", ".join(f"rank {rank}: {digest}" for digest, rank in reached.items())
         return (f"the engine's ranks reached different checkpoints ({seen}); was a step published during the "

@@ -19,6 +19,7 @@ device memory).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class Advance:
     digest: str  # the digest the state now has
     changes: dict = field(default_factory=dict)  # name -> flat positions written (each once), or None (whole)
     links: int = 0  # patch files applied
+    prepared: bool = False  # whether it went on from a preparation (HostState.prepare)
 
 
 @dataclass
@@ -48,6 +50,14 @@ class _Staged:
     digest: str | None
     step: int | None
     sums: dict
+
+
+@dataclass
+class _Prepared:
+    """An advance prepared ahead (HostState.prepare): staged, until an advance of the same source takes it."""
+
+    key: tuple  # (source, trust): what a later advance must share to go on from it
+    advance: Advance
 
 
 CHECK = "prefer-sums"  # apply_to_state_dict's: word sums where a patch carries them, else digests
@@ -64,7 +74,10 @@ class HostState:
         # The tensors' word sums as the last update left them: nothing else writes the tensors, so
         # the next update's base check need not read them all again (apply_to_state_dict's `sums`).
         self.sums: dict[str, int] = {}
-        self.staged: _Staged | None = None  # an advance not yet committed (advance(stage=True))
+        self.staged: _Staged | None = None  # an advance not yet committed (advance(stage=True), or prepare())
+        self.prepared: _Prepared | None = None  # what prepare() left staged, for the next advance to go on from
+        self.prepare_error = ""  # why the last preparation failed ("": it did not), for the engine's log
+        self._preparing: threading.Thread | None = None
 
     @property
     def nbytes(self) -> int:
@@ -80,27 +93,80 @@ class HostState:
         `stage`: keep what it takes to go back (the old values at the written positions), until
         `commit()` or `revert()`: for an engine whose ranks must all take an update or none (a
         rank that succeeded takes it back when another failed). Without it, that is dropped on
-        return (a failure after the tensors were written, in the housekeeping, puts them back)."""
-        if self.staged is not None:
+        return (a failure after the tensors were written, in the housekeeping, puts them back).
+
+        After `prepare()` (of the same source and trust) it goes on from where the preparation got:
+        the returned Advance, the undo log and a failure's revert cover both, so that the state
+        goes back to where it stood before the preparation, as the engine still is."""
+        self.settle()
+        return self._advance_staged(source, step, trust, trust_state, cache, stage)
+
+    def prepare(self, source: str, step: int | None = None, trust=None, trust_state=None,
+                cache: Path | None = None) -> bool:
+        """Start `advance(..., stage=True)` on a thread of its own and return at once: the fetch, the
+        checks and the decode run while the engine goes on serving its current weights. The next
+        advance waits for it and, for the same source and trust, goes on from it, so that only what
+        is left (usually nothing) is on its critical path. False (nothing started) while an earlier
+        preparation still runs. A failed preparation leaves the state as it was (prepare_error says
+        why), and the next advance does the whole work itself."""
+        if self._preparing is not None and self._preparing.is_alive():
+            return False
+        self.settle()
+        self.prepare_error = ""
+        thread = threading.Thread(target=self._prepare, args=(source, step, trust, trust_state, cache),
+                                  name="pulsediff-prepare", daemon=True)
+        self._preparing = thread
+        thread.start()
+        return True
+
+    @property
+    def preparing(self) -> bool:
+        return self._preparing is not None and self._preparing.is_alive()
+
+    def settle(self) -> None:
+        """Wait for a running preparation (the tensors are its own until it ends)."""
+        thread, self._preparing = self._preparing, None
+        if thread is not None:
+            thread.join()
+
+    def _prepare(self, source, step, trust, trust_state, cache) -> None:
+        try:
+            advance = self._advance_staged(source, step, trust, trust_state, cache, stage=True)
+        except BaseException as exc:  # the state is as it was before; the next advance does the work
+            self.prepare_error = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
+            return
+        self.prepared = _Prepared(_prepared_key(source, trust), advance)
+
+    def _advance_staged(self, source, step, trust, trust_state, cache, stage: bool) -> Advance:
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and prepared.key != _prepared_key(source, trust):
+            self.revert()  # prepared from another source (or under other keys): not a base to go on from
+            prepared = None
+        if self.staged is not None and prepared is None:
             raise RuntimeError("the host state holds a staged update: commit() or revert() it first")
-        before = _Staged([], self.digest, self.step, dict(self.sums))
+        before = self.staged or _Staged([], self.digest, self.step, dict(self.sums))
+        self.staged = None
         try:
             advance = self._advance(source, step, trust, trust_state, cache, before.undo)
         except BaseException:  # after a completed apply too (its housekeeping): as it was, every field
             self.staged = before
             self.revert()
             raise
+        if prepared is not None:
+            advance = _joined(prepared.advance, advance)
         if stage:
             self.staged = before
         return advance
 
     def commit(self) -> None:
         """Keep the staged update (drop what it took to go back)."""
-        self.staged = None
+        self.settle()
+        self.staged = self.prepared = None
 
     def revert(self) -> None:
         """Take the staged update back: tensors, digest, step and kept sums as they were before it."""
-        staged, self.staged = self.staged, None
+        self.settle()
+        staged, self.staged, self.prepared = self.staged, None, None
         if staged is None:
             return
         from pulsediff.ops.live import revert
@@ -141,6 +207,26 @@ class HostState:
                                      sums=self.sums, undo_log=undo_log)
         self.digest, self.step = result.digest, result.step
         return Advance(result.status, result.step, result.digest, changes, result.links)
+
+
+def _prepared_key(source: str, trust) -> tuple:
+    return source, tuple(trust) if trust else None
+
+
+def _joined(first: Advance, then: Advance) -> Advance:
+    """Two advances one after the other, as one: every position either wrote, the second's target."""
+    from pulsediff.ops.live import union_positions
+
+    changes = dict(first.changes)
+    for name, positions in then.changes.items():
+        if name not in changes:
+            changes[name] = positions
+        elif positions is None or changes[name] is None:
+            changes[name] = None
+        else:
+            changes[name] = union_positions([changes[name], positions])
+    status = "applied" if "applied" in (first.status, then.status) else then.status
+    return Advance(status, then.step, then.digest, changes, first.links + then.links, prepared=True)
 
 
 def check_request_fits(kind: str, source: str, step, trust) -> None:
@@ -216,7 +302,7 @@ def load_host_state(folder: str | os.PathLike) -> HostState:
 
 # -- the request an engine's update takes ---------------------------------------------------------
 
-UPDATE_KEYS = ("source", "step", "trust")
+UPDATE_KEYS = ("source", "step", "trust", "prepare")
 KEY_PREFIX = "ed25519:"  # signing.KEY_PREFIX (not imported: that module needs cryptography)
 
 
@@ -225,10 +311,11 @@ class UpdateRequest:
     source: str
     step: int | None = None
     trust: tuple[str, ...] | None = None  # public keys (ed25519:... lines) or files of them
+    prepare: bool = False  # verify and decode in the background, touching nothing (HostState.prepare)
 
 
 def parse_update_request(info) -> UpdateRequest:
-    """{"source": S, "step": N, "trust": K} checked for type and range (UsageError, one line)."""
+    """{"source": S, "step": N, "trust": K, "prepare": P} checked for type and range (UsageError, one line)."""
     if not isinstance(info, dict):
         raise UsageError(f"update_info must be an object with 'source' (and optionally 'step', 'trust'), "
                          f"not {type(info).__name__}")
@@ -252,7 +339,10 @@ def parse_update_request(info) -> UpdateRequest:
                 isinstance(k, str) and k.startswith(KEY_PREFIX) and len(k) < 200 for k in keys):
             raise UsageError(f"update_info 'trust' must be a public key ({KEY_PREFIX}...) or a list of them")
         trust = tuple(keys)
-    return UpdateRequest(source, step, trust)
+    prepare = info.get("prepare", False)
+    if not isinstance(prepare, bool):
+        raise UsageError(f"update_info 'prepare' must be true or false, not {_described(prepare)}")
+    return UpdateRequest(source, step, trust, prepare)
 
 
 def _described(value) -> str:

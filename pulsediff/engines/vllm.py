@@ -12,6 +12,12 @@ point, so every vLLM process finds it without an import by hand. Then, offline o
     finish_weight_update(weight_version=str(N))
     reset_prefix_cache()                       # KV computed with the old weights must not be served
 
+An update may be prepared ahead: the same request with "prepare": true (in a session of its own,
+without pausing: it returns at once) starts the fetch, the checks and the decode on a thread of
+each worker while the engine goes on serving; the update of the same source then waits for it and
+goes on from there, so that the engine stops for the load alone (`prepare_llm`, `vllm-sync
+--prepare-ahead`). Nothing is loaded, and nothing the engine serves changes, until that update.
+
 S is a patch file (a path, or an http(s):// or s3:// URL ending in .pulsediff) or a published
 series (a folder, or an s3:// or http(s):// URL): the engine moves to step N (default: the
 newest) by the cheapest chain of intact patches, as `pulsediff catch-up` does. K (an inline
@@ -66,7 +72,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from vllm.logger import init_logger
 
-from pulsediff.engines.agreement import Outcome, Verdict, agree
+from pulsediff.engines.agreement import PREPARE, Outcome, Verdict, agree
 from pulsediff.engines.state import HostState, load_host_state, parse_update_request
 from pulsediff.engines.vllm_client import KEPT, UNDEFINED
 from pulsediff.engines.vllm_plugin import BACKEND, UNPACKED_ENV  # noqa: F401 (public here too)
@@ -89,11 +95,12 @@ class PulsediffInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class PulsediffUpdateInfo(WeightTransferUpdateInfo):
-    """update_weights' update_info: {"source": S, "step": N, "trust": K}."""
+    """update_weights' update_info: {"source": S, "step": N, "trust": K, "prepare": P}."""
 
     source: str
     step: int | None = None
     trust: tuple[str, ...] | None = None
+    prepare: bool = False
 
 
 class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, PulsediffUpdateInfo]):
@@ -106,6 +113,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self.state: HostState | None = None
         self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
+        self.last_prepared = False  # whether the last update went on from a preparation ("prepare")
         self.timings: dict[str, float] = {}  # the last update's seconds: verify_decode, load
 
     # -- the four calls -----------------------------------------------------------------------
@@ -135,22 +143,29 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def receive_weights(self, update_info: "PulsediffUpdateInfo | dict[str, Any]") -> None:
         start = time.perf_counter()
-        state, advance, failure = None, None, ""
+        state, advance, failure, prepare = None, None, "", False
         try:  # every failure here becomes this rank's outcome: each rank must reach the agreement
             if not isinstance(update_info, PulsediffUpdateInfo):
                 update_info = _typed(update_info)  # a UsageError: one line, like any refusal below
+            prepare = update_info.prepare
             cache = os.environ.get(CACHE_ENV) or None
             # The operator's keys, when set, decide: a request cannot drop them (nor take a lone patch file).
             trust = os.environ.get(TRUST_ENV, "").split(",") if os.environ.get(TRUST_ENV) else update_info.trust
+            request = (update_info.source, update_info.step, list(trust) if trust else None,
+                       os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None)
             state = self.host_state()
-            if state.staged is not None:  # left by an update interrupted between its stage and its verdict
-                state.revert()
-            # Staged: a rank keeps what it takes to go back until every rank has verified the same target.
-            advance = state.advance(update_info.source, update_info.step, list(trust) if trust else None,
-                                    os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None,
-                                    stage=True)
+            if not prepare:
+                state.settle()
+                if state.staged is not None and state.prepared is None:  # an update interrupted before its verdict
+                    state.revert()
+                # Staged: a rank keeps what it takes to go back until every rank has verified the same
+                # target. After a preparation of the same source it goes on from there (usually: nothing
+                # is left to do but the load).
+                advance = state.advance(*request, stage=True)
         except BaseException as exc:  # the host state was put back, and the engine was not touched
             failure = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
+        if prepare:
+            return self.prepare(state, request, failure)
         suffix = UNDEFINED if self.engine_stale else KEPT
         verdict = self.agreed(Outcome(self.rank, advance is not None, advance.digest if advance else "", failure),
                               "so no rank took the update")
@@ -178,10 +193,23 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         if verdict.refusal is not None:
             return self.refuse(verdict, UNDEFINED)
         self.engine_stale = False
+        self.last_prepared = advance.prepared
         self.timings = {"verify_decode": verified - start, "load": time.perf_counter() - verified}
-        logger.info("pulsediff: %s verified and decoded in %.3f s (%d links), loaded (%s) in %.3f s",
+        logger.info("pulsediff: %s verified and decoded in %.3f s (%d links%s), loaded (%s) in %.3f s",
                     f"step {advance.step}" if advance.step is not None else advance.digest, self.timings["verify_decode"],
-                    advance.links, self.last_load, self.timings["load"])
+                    advance.links, ", prepared ahead" if advance.prepared else "", self.last_load, self.timings["load"])
+
+    def prepare(self, state: HostState | None, request: tuple, failure: str) -> None:
+        """update_info's "prepare": start verifying and decoding the update in the background
+        (HostState.prepare) and return, touching nothing: the engine goes on serving (vLLM runs no
+        model step while a worker call lasts). A later update of the same source waits for it and
+        goes on from there, so that its own critical path is the load alone. The ranks agree first
+        that every one of them was asked to prepare (a mix of preparations and updates is refused)."""
+        verdict = self.agreed(Outcome(self.rank, not failure, PREPARE, failure), "so no rank prepared the update")
+        if verdict.refusal is not None:
+            return self.refuse(verdict, KEPT)
+        if not state.prepare(*request):
+            logger.info("pulsediff: an earlier preparation is still running; this one was not started")
 
     def agreed(self, mine: Outcome, consequence: str) -> Verdict:
         """What every rank of this model replica concluded (engines/agreement.py); one rank: its own."""
@@ -222,7 +250,10 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def shutdown(self) -> None:
         """vLLM's shutdown_weight_transfer_engine releases a trainer connection; the engine goes on serving.
-        The host state is kept: it is the engine's weights, which a reload from the model folder is not."""
+        The host state is kept: it is the engine's weights, which a reload from the model folder is not.
+        A preparation still running is waited for (it holds the host state's tensors)."""
+        if self.state is not None:
+            self.state.settle()
 
     # -- the host state and the load ---------------------------------------------------------
 
@@ -319,7 +350,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 def _typed(update_dict) -> PulsediffUpdateInfo:
     """update_weights' update_info checked (state.parse_update_request: UsageError, one line) and typed."""
     request = parse_update_request(update_dict)
-    return PulsediffUpdateInfo(request.source, request.step, request.trust)
+    return PulsediffUpdateInfo(request.source, request.step, request.trust, request.prepare)
 
 
 SPARSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # NaN exists and torch.isnan works everywhere

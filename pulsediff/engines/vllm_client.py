@@ -8,6 +8,10 @@ weights. So:
 - `update_llm(llm, source, step=None, trust=None)`: an offline `vllm.LLM` made with
   `weight_transfer_config={"backend": "pulsediff"}`; start, update, finish with the step as the
   weight version, then `reset_prefix_cache()`.
+- `prepare_llm(llm, source, step=None, trust=None)`: the same update, prepared ahead: every worker
+  fetches, checks and decodes it on a thread of its own and the call returns at once; the engine
+  goes on serving its current weights, and `update_llm` to that step then stops it for the load
+  alone.
 - `sync_server(url, source, ...)`: a running `vllm serve` (started with VLLM_SERVER_DEV_MODE=1,
   which enables its weight-transfer routes, and `--weight-transfer-config '{"backend":
   "pulsediff"}'`): pause (in-flight requests finish on the old weights, caches cleared), start,
@@ -31,7 +35,7 @@ from pathlib import Path
 
 from pulsediff.errors import PulsediffError, UsageError
 
-__all__ = ["Target", "resolve_target", "update_llm", "sync_server", "ServerClient"]
+__all__ = ["Target", "resolve_target", "update_llm", "prepare_llm", "sync_server", "ServerClient"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,33 @@ def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_s
     llm.finish_weight_update(weight_version=target.version)
     llm.reset_prefix_cache()
     return target
+
+
+def prepare_llm(llm, source: str, *, step: int | None = None, trust=None, trust_state=None,
+                wait: bool = False) -> Target:
+    """Prepare the update `update_llm` would make, without changing what the engine serves: every worker
+    verifies and decodes it in the background (engines/vllm.py, "prepare"). Call `update_llm` with the same
+    source to take it. `wait`: return only when every worker's preparation has ended (vLLM runs no model
+    step meanwhile). A preparation that fails is not reported here: the update does the whole work again,
+    and refuses it with one line if it fails again."""
+    target = resolve_target(source, step, trust, trust_state)
+    llm.start_weight_update()
+    llm.update_weights({"update_info": dict(target.request, prepare=True)})
+    llm.finish_weight_update()  # no weight version: the engine's weights have not changed
+    if wait:
+        llm.collective_rpc(settle_prepared)
+    return target
+
+
+def settle_prepared(worker) -> str:
+    """For `collective_rpc` (it runs in each worker): wait until the worker's preparation, if any, has
+    ended; returns why it failed ("" when it did not, or none ran)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    state = getattr(engine, "state", None)
+    if state is None:
+        return ""
+    state.settle()
+    return state.prepare_error
 
 
 # -- a running `vllm serve` --------------------------------------------------------------------
@@ -187,15 +218,25 @@ class SyncResult:
 
 
 def sync_server(url: str, source: str, *, step: int | None = None, trust=None, trust_state=None,
-                client: ServerClient | None = None) -> SyncResult:
+                client: ServerClient | None = None, prepare_ahead: float = 0.0) -> SyncResult:
     """Move a running `vllm serve` to `step` (default: the newest) of `source`. The server's
     generation is paused (in-flight requests finish first, caches cleared) for the update, and
-    resumed whatever happens; a refused update leaves the engine serving its old weights."""
+    resumed whatever happens; a refused update leaves the engine serving its old weights.
+
+    `prepare_ahead` (seconds): first have the workers prepare the update in the background (fetch,
+    checks and decode, while the server goes on generating), and pause that long after: the pause
+    then lasts for the load alone if the preparation has ended by then, and for what is left of it if
+    not."""
     client = client or ServerClient(url)
     target = resolve_target(source, step, trust, trust_state)
     before = client.weight_version()
     if before == target.version:
         return SyncResult("up-to-date", before, before, 0.0)
+    if prepare_ahead > 0:
+        client.call("POST", "/start_weight_update")
+        client.call("POST", "/update_weights", {"update_info": dict(target.request, prepare=True)}, timeout=None)
+        client.call("POST", "/finish_weight_update", {})
+        time.sleep(prepare_ahead)
     start = time.perf_counter()
     # No time limit on pausing (in-flight requests finish first) nor on the update (it may fetch an anchor):
     # resuming while the workers still write would serve half-written weights.

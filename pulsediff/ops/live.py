@@ -259,10 +259,10 @@ def _written_positions(undo: list) -> dict:
         if not isinstance(positions, np.ndarray):  # a device array: a torch tensor, or a Numba one
             positions = positions.cpu().numpy() if hasattr(positions, "cpu") else positions.copy_to_host()
         parts.setdefault(entry.name, []).append(np.asarray(positions, dtype=np.int64))
-    return {name: None if got is None else got[0] if len(got) == 1 else _union(got) for name, got in parts.items()}
+    return {name: None if got is None else got[0] if len(got) == 1 else union_positions(got) for name, got in parts.items()}
 
 
-def _union(arrays: list) -> np.ndarray:
+def union_positions(arrays: list) -> np.ndarray:
     """The distinct values of several int64 arrays (a sort, not np.unique: NumPy 2.3's hash-based
     unique took 40 ms per million values)."""
     merged = np.sort(np.concatenate(arrays))
