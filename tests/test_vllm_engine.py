@@ -293,9 +293,12 @@ def test_vllm_sync_moves_a_running_server_and_refuses_without_touching_it(qwen2,
         assert refused.stderr.count("\n") == 1 and "not the patch's base" in refused.stderr, refused.stderr
         assert "keeps its weights" in refused.stderr
         assert version(url) == "2"
-        newest = pulsediff("vllm-sync", url, outbox, "--json")
+        # Prepared while the server goes on serving, then taken: the pause is for the load alone.
+        newest = pulsediff("vllm-sync", url, outbox, "--json", "--prepare-ahead", "1")
         assert newest.returncode == 0, newest.stderr
         assert json.loads(newest.stdout)["weight_version"] == str(STEPS)
+        assert f"step {STEPS} verified and decoded" in log.read_text()
+        assert "links, prepared ahead)" in log.read_text()
         again = pulsediff("vllm-sync", url, outbox)
         assert again.returncode == 0 and f"already at step {STEPS}" in again.stderr
         # The server has no tokenizer (skip_tokenizer_init), so it gives no logprobs: its weights' checksums
