@@ -231,12 +231,57 @@ def test_a_failed_preparation_changes_nothing_and_says_why(series):
     state = load_host_state(train / "step_000000")
     before = snapshot(state)
     assert state.prepare(str(outbox), 99)
+    wait_for_preparation(state)  # its thread ends, and puts the state back, on its own
     state.settle()
     assert "99" in state.prepare_error and "\n" not in state.prepare_error
     assert state.prepared is None and state.staged is None
     assert_unchanged(state, before)
     assert state.advance(str(outbox), 1).step == 1  # the next update does the work itself
     assert_at(state, train, 1)
+
+
+def wait_for_preparation(state) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while state.preparing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not state.preparing
+
+
+def test_a_second_preparation_of_another_source_takes_the_first_back(series):
+    """Prepared through a lone patch, then prepared again from the series: the second preparation's thread
+    takes the first back itself (it never waits for its own thread) before it goes its own way."""
+    train, outbox = series
+    state = load_host_state(train / "step_000001")
+    assert state.prepare(str(outbox / "patch-00000001-00000002.pulsediff"))
+    wait_for_preparation(state)
+    assert state.prepare(str(outbox), STEPS)
+    wait_for_preparation(state)
+    assert state.prepare_error == ""
+    state.settle()
+    assert_at(state, train, STEPS)
+    advance = state.advance(str(outbox), STEPS, stage=True)
+    assert (advance.step, advance.prepared, advance.links) == (STEPS, True, STEPS - 1)  # 1 -> 3 only, no detour
+    state.revert()
+    assert_at(state, train, 1)
+    assert state.step is None  # as it stood: loaded from a folder, no step known
+
+
+def test_an_update_to_a_step_before_the_prepared_one_goes_the_whole_way_again(series):
+    """Prepared to the newest step, asked for an earlier one: the way on from the prepared step does not
+    exist (or costs an anchor), so it is taken from where the engine is, and the changes are that way's."""
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    assert state.prepare(str(outbox), STEPS)
+    advance = state.advance(str(outbox), 1, stage=True)
+    assert advance.step == 1 and state.step == 1
+    assert_at(state, train, 1)
+    for name, positions in advance.changes.items():
+        net = np.flatnonzero(bits(step_tensors(train, 0)[name]) != bits(state.tensors[name]))
+        assert positions is None or np.isin(net, positions).all(), name
+    state.revert()
+    assert_at(state, train, 0)
 
 
 def test_one_preparation_at_a_time_and_commit_or_revert_wait_for_it(series, monkeypatch):

@@ -109,7 +109,8 @@ class HostState:
         is left (usually nothing) is on its critical path. False (nothing started) while an earlier
         preparation still runs. A failed preparation leaves the state as it was (prepare_error says
         why), and the next advance does the whole work itself."""
-        if self._preparing is not None and self._preparing.is_alive():
+        running = self._preparing
+        if running is not None and running.is_alive():
             return False
         self.settle()
         self.prepare_error = ""
@@ -121,13 +122,17 @@ class HostState:
 
     @property
     def preparing(self) -> bool:
-        return self._preparing is not None and self._preparing.is_alive()
+        running = self._preparing
+        return running is not None and running.is_alive()
 
     def settle(self) -> None:
-        """Wait for a running preparation (the tensors are its own until it ends)."""
-        thread, self._preparing = self._preparing, None
-        if thread is not None:
-            thread.join()
+        """Wait for a running preparation (the tensors are its own until it ends). Called by the
+        preparation's own thread (which never needs to), it does nothing."""
+        thread = self._preparing
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join()
+        self._preparing = None
 
     def _prepare(self, source, step, trust, trust_state, cache) -> None:
         try:
@@ -140,7 +145,7 @@ class HostState:
     def _advance_staged(self, source, step, trust, trust_state, cache, stage: bool) -> Advance:
         prepared, self.prepared = self.prepared, None
         if prepared is not None and prepared.key != _prepared_key(source, trust):
-            self.revert()  # prepared from another source (or under other keys): not a base to go on from
+            self._revert()  # prepared from another source (or under other keys): not a base to go on from
             prepared = None
         if self.staged is not None and prepared is None:
             raise RuntimeError("the host state holds a staged update: commit() or revert() it first")
@@ -150,8 +155,12 @@ class HostState:
             advance = self._advance(source, step, trust, trust_state, cache, before.undo)
         except BaseException:  # after a completed apply too (its housekeeping): as it was, every field
             self.staged = before
-            self.revert()
-            raise
+            self._revert()
+            if prepared is None:
+                raise
+            # From where the preparation got, the way on may not exist (asked for a step before the
+            # prepared one, where no chain leads back): the whole way again, from where the engine is.
+            return self._advance_staged(source, step, trust, trust_state, cache, stage)
         if prepared is not None:
             advance = _joined(prepared.advance, advance)
         if stage:
@@ -166,6 +175,9 @@ class HostState:
     def revert(self) -> None:
         """Take the staged update back: tensors, digest, step and kept sums as they were before it."""
         self.settle()
+        self._revert()
+
+    def _revert(self) -> None:
         staged, self.staged, self.prepared = self.staged, None, None
         if staged is None:
             return

@@ -207,9 +207,14 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         that every one of them was asked to prepare (a mix of preparations and updates is refused)."""
         verdict = self.agreed(Outcome(self.rank, not failure, PREPARE, failure), "so no rank prepared the update")
         if verdict.refusal is not None:
-            return self.refuse(verdict, KEPT)
-        if not state.prepare(*request):
-            logger.info("pulsediff: an earlier preparation is still running; this one was not started")
+            return self.refuse(verdict, UNDEFINED if self.engine_stale else KEPT)
+        try:
+            if not state.preparing and state.staged is not None and state.prepared is None:
+                state.revert()  # an update interrupted before its verdict: the engine is where that began
+            if not state.prepare(*request):
+                logger.info("pulsediff: an earlier preparation is still running; this one was not started")
+        except Exception as exc:  # nothing was started: the update will do the whole work itself
+            logger.warning("pulsediff: the update could not be prepared (%s: %s)", type(exc).__name__, exc)
 
     def agreed(self, mine: Outcome, consequence: str) -> Verdict:
         """What every rank of this model replica concluded (engines/agreement.py); one rank: its own."""

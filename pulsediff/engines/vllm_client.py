@@ -89,7 +89,7 @@ def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_s
     """Move an offline `vllm.LLM` (backend "pulsediff") to `step` of `source`; returns where it went.
     A refused update leaves the engine's weights and weight version as they were; an engine that failed
     while loading verified weights gets the weight version "undefined" (the next update loads every
-    tensor)."""
+    tensor). After `prepare_llm` of the same source the workers go on from what they prepared."""
     target = resolve_target(source, step, trust, trust_state)
     llm.start_weight_update()
     try:
