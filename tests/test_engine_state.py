@@ -284,6 +284,56 @@ def test_an_update_to_a_step_before_the_prepared_one_goes_the_whole_way_again(se
     assert_at(state, train, 0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sequences_of_preparations_and_updates_keep_the_engine_and_the_state_together(series, seed):
+    """Random sequences of what an engine does (prepare, update then commit or revert, a refused update),
+    against a model of where the engine is: after every verdict the host state is exactly the engine's
+    step, and every update's changes cover every element that differs between the engine's old step and
+    its new one (what the engine is then loaded with)."""
+    import random
+
+    rng = random.Random(seed)
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    engine = 0  # the step the engine serves
+    sources = [str(outbox), str(outbox / "patch-00000001-00000002.pulsediff")]
+    for _ in range(10):
+        op = rng.choice(["prepare", "prepare", "update", "update", "refused"])
+        if op == "prepare":
+            source = rng.choice(sources)
+            step = rng.choice([None, 1, 2, STEPS]) if source == sources[0] else None
+            state.prepare(source, step)
+            if rng.random() < 0.5:
+                wait_for_preparation(state)
+            continue
+        if op == "refused":
+            with pytest.raises(PulsediffError):
+                state.advance(str(outbox), 99, stage=True)
+            assert state.staged is None and state.prepared is None
+            assert_at(state, train, engine)
+            continue
+        step = rng.choice([None, 1, 2, STEPS])
+        advance = state.advance(str(outbox), step, stage=True)
+        target = STEPS if step is None else step
+        assert advance.step == target
+        assert_at(state, train, target)
+        if rng.random() < 0.3:  # another rank refused: every rank takes it back
+            state.revert()
+            assert_at(state, train, engine)
+            continue
+        state.commit()
+        for name, positions in advance.changes.items():
+            net = np.flatnonzero(bits(step_tensors(train, engine)[name]) != bits(state.tensors[name]))
+            assert positions is None or np.isin(net, positions).all(), (seed, name)
+        changed = {n for n, t in step_tensors(train, engine).items()
+                   if not np.array_equal(bits(t), bits(state.tensors[n]))}
+        assert changed <= set(advance.changes), seed
+        engine = target
+    state.settle()
+    state.advance(str(outbox), engine)  # whatever is left prepared: the engine's own step again
+    assert_at(state, train, engine)
+
+
 def test_one_preparation_at_a_time_and_commit_or_revert_wait_for_it(series, monkeypatch):
     import threading
 
