@@ -297,6 +297,7 @@ def test_vllm_sync_moves_a_running_server_and_refuses_without_touching_it(qwen2,
         newest = pulsediff("vllm-sync", url, outbox, "--json", "--prepare-ahead", "1")
         assert newest.returncode == 0, newest.stderr
         assert json.loads(newest.stdout)["weight_version"] == str(STEPS)
+        assert json.loads(newest.stdout)["prepared_ahead"] >= 1
         assert f"step {STEPS} verified and decoded" in log.read_text()
         assert "links, prepared ahead)" in log.read_text()
         again = pulsediff("vllm-sync", url, outbox)

@@ -50,13 +50,14 @@ def vllm_sync(
         result = sync_server(server, source, step=step, trust=trust or None, client=client, prepare_ahead=prepare_ahead)
         if as_json:
             out.json({"status": result.status, "weight_version": result.version, "before": result.before,
-                      "seconds": round(result.seconds, 3)})
+                      "seconds": round(result.seconds, 3), "prepared_ahead": round(result.prepared_ahead, 3)})
         elif result.status == "up-to-date":
             if not watch:
                 out.info(f"{server} is already at {_shown(result.version)}")
         else:
+            ahead = f", prepared {result.prepared_ahead:.1f} s before" if result.prepared_ahead else ""
             out.info(f"{server} is now at {_shown(result.version)} (was {result.before or 'unknown'}; "
-                     f"{result.seconds:.2f} s, generation paused meanwhile)")
+                     f"generation paused {result.seconds:.2f} s{ahead})")
         if not watch:
             return
         time.sleep(interval)

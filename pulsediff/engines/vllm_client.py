@@ -214,7 +214,8 @@ class SyncResult:
     status: str  # "updated" or "up-to-date"
     version: str
     before: str
-    seconds: float
+    seconds: float  # how long generation was paused
+    prepared_ahead: float = 0.0  # seconds between the preparation's start and the pause (0: not prepared)
 
 
 def sync_server(url: str, source: str, *, step: int | None = None, trust=None, trust_state=None,
@@ -232,7 +233,9 @@ def sync_server(url: str, source: str, *, step: int | None = None, trust=None, t
     before = client.weight_version()
     if before == target.version:
         return SyncResult("up-to-date", before, before, 0.0)
+    prepared_at = None
     if prepare_ahead > 0:
+        prepared_at = time.perf_counter()
         client.call("POST", "/start_weight_update")
         client.call("POST", "/update_weights", {"update_info": dict(target.request, prepare=True)}, timeout=None)
         client.call("POST", "/finish_weight_update", {})
@@ -258,4 +261,5 @@ def sync_server(url: str, source: str, *, step: int | None = None, trust=None, t
             raise PulsediffError(f"{exc}; and the server could not be resumed: {also}") from None
         raise
     client.call("POST", "/resume")
-    return SyncResult("updated", target.version, before, time.perf_counter() - start)
+    return SyncResult("updated", target.version, before, time.perf_counter() - start,
+                      0.0 if prepared_at is None else start - prepared_at)
