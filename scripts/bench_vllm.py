@@ -8,9 +8,10 @@ backend, alternating in one engine, in one run (issue 35):
   `reload_weights(weights_path=DIR)`;
 - the floor: vLLM's `reload_weights(weights_path=STEP_N)` from the new checkpoint already on disk. A CPU
   engine repacks every touched Linear weight on any update, so no update can go much below it;
-- pulsediff prepared ahead: `prepare_llm(llm, SERIES, step=N, wait=True)` first (the fetch, checks and decode,
-  run in the background while an engine would go on serving; timed apart), then the timed `update_llm` to
-  the same step, whose critical path is then the load.
+- pulsediff prepared ahead: `prepare_llm(llm, SERIES, step=N)` first (the fetch, checks and decode, run in
+  the background while the engine goes on serving: a greedy generation is timed beside it, and alone just
+  before; the preparation is timed until it has ended), then the timed `update_llm` to the same step,
+  whose critical path is then the load.
 
 Each round takes two steps: the plain backend the first, the prepared one the second (each from the step
 before, one patch each), then the floor and today's path to the second.
@@ -57,7 +58,8 @@ def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[st
     for r in range(rounds):
         first, step = 2 * r + 1, 2 * r + 2
         ours = {"timed_update": [{"source": str(outbox), "step": first}], "what": "pulsediff"}
-        prepared = {"timed_prepared_update": [{"source": str(outbox), "step": step}], "what": "prepared"}
+        prepared = {"timed_prepared_update": [{"source": str(outbox), "step": step}], "what": "prepared",
+                    "generate_beside": True}
         floor = {"timed_reload": [str(train / f"step_{step:06d}")], "what": "floor"}
         today = {"timed_apply_reload": {"base": str(train / f"step_{first:06d}"),
                                         "patch": str(outbox / f"patch-{first:08d}-{step:08d}.pulsediff"),
@@ -77,6 +79,8 @@ def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[st
         times.setdefault(record["action"]["what"], []).extend(record["seconds"])
         if "prepare_seconds" in record:
             times.setdefault("prepare", []).extend(record["prepare_seconds"])
+        for key in ("generate_alone_seconds", "generate_beside_seconds"):
+            times.setdefault(key, []).extend(record.get(key, []))
         # the worker's peak resident memory above where it stood, in GB (timed_update and timed_reload)
         times.setdefault(record["action"]["what"] + " memory", []).extend(
             kib * 1024 / 1e9 for kib in record.get("peak_extra_kib", []))
@@ -86,7 +90,6 @@ def engine_rounds(train: Path, outbox: Path, rounds: int, work: Path) -> dict[st
 
 def decode_rounds(train: Path, outbox: Path, rounds: int) -> dict[str, list[float]]:
     """apply_to_state_dict of each patch on host tensors against index_copy_ of the same changes."""
-    import numpy as np
     import torch
 
     from pulsediff.engines.state import load_host_state
@@ -157,7 +160,9 @@ def main(argv=None) -> int:
     split = [line.split("pulsediff: ", 1)[1].strip() for line in (work / "engine.log").read_text().splitlines()
              if "verified and decoded" in line]
     print(f"\n(engine start: {med['engine start']:.1f} s; pulsediff / today's path: {med['pulsediff'] / med['today']:.2f}; "
-          f"prepare_llm, in the background before the prepared update: {med['prepare']:.3f} s; "
+          f"the preparation, in the background (the worker's clock): {med['prepare']:.3f} s; a greedy "
+          f"generation (100-token prompt, 8 tokens) alone {med['generate_alone_seconds']:.3f} s, beside the "
+          f"preparation {med['generate_beside_seconds']:.3f} s; "
           "the backend's own log, per update:)\n")
     for line in split:
         print(f"    {line}")

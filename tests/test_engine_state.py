@@ -183,6 +183,7 @@ def test_a_prepared_update_is_taken_by_the_next_advance_of_its_source(series):
     assert state.prepare(str(outbox), 2)
     state.settle()
     assert state.prepare_error == "" and state.prepared is not None and not state.preparing
+    assert state.prepare_seconds > 0
     assert_at(state, train, 2)  # prepared in the host state, and held staged
     advance = state.advance(str(outbox), 2, stage=True)
     assert (advance.status, advance.step, advance.digest, advance.links, advance.prepared) == (

