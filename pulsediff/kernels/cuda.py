@@ -1107,6 +1107,13 @@ _UNLISTED = 255
 
 
 @cuda.jit(device=True, inline=True)
+def _class_slot(bits, i, shift, mask, lut):
+    # Element i's class and its row in the tile's table (_UNLISTED: a class the patch does not list).
+    k = (int64(bits[i]) >> shift) & mask
+    return k, int64(lut[k])
+
+
+@cuda.jit(device=True, inline=True)
 def _count_items(bits, shift, mask, lut, first, t, table, words, hist_at, count_unlisted):
     # Thread t's TILE_ITEMS consecutive elements from `first` into its column of `table` (row slot:
     # table[slot * TILE_THREADS + t]); unlisted classes, if counted, into words[hist_at + class]. A
@@ -1115,8 +1122,7 @@ def _count_items(bits, shift, mask, lut, first, t, table, words, hist_at, count_
     for j in range(TILE_ITEMS):
         i = first + j
         if i < n:
-            k = (int64(bits[i]) >> shift) & mask
-            slot = int64(lut[k])
+            k, slot = _class_slot(bits, i, shift, mask, lut)
             if slot != _UNLISTED:
                 table[slot * TILE_THREADS + t] += 1
             elif count_unlisted:
@@ -1226,8 +1232,7 @@ def _tile_locate(bits, shift, mask, lut, nlisted, at, firsts, bounds, ranks, whe
         for j in range(TILE_ITEMS):
             i = first + j
             if i < n:
-                k = (int64(bits[i]) >> shift) & mask
-                slot = int64(lut[k])
+                slot = _class_slot(bits, i, shift, mask, lut)[1]
                 if slot != _UNLISTED:
                     before = table[slot * TILE_THREADS + t]
                     table[slot * TILE_THREADS + t] = before + 1
