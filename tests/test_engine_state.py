@@ -335,6 +335,20 @@ def test_random_sequences_of_preparations_and_updates_keep_the_engine_and_the_st
     assert_at(state, train, engine)
 
 
+def test_an_unjudged_stage_is_dropped_and_a_prepared_one_kept(series):
+    train, outbox = series
+    state = load_host_state(train / "step_000000")
+    state.advance(str(outbox), 1, stage=True)  # its caller never said commit or revert
+    state.drop_unjudged()
+    assert state.staged is None
+    assert_at(state, train, 0)
+    assert state.prepare(str(outbox), 2)
+    wait_for_preparation(state)
+    state.drop_unjudged()  # a preparation's stage is for the next advance to go on from
+    assert state.prepared is not None
+    assert state.advance(str(outbox), 2).prepared
+
+
 def test_one_preparation_at_a_time_and_commit_or_revert_wait_for_it(series, monkeypatch):
     import threading
 

@@ -172,6 +172,13 @@ class HostState:
             self.staged = before
         return advance
 
+    def drop_unjudged(self) -> None:
+        """Take back a staged advance whose caller never gave its verdict (an update interrupted
+        between its stage and its commit or revert); a preparation's stage stays, for the next
+        advance to go on from. Does nothing while a preparation runs: the state is its own."""
+        if not self.preparing and self.staged is not None and self.prepared is None:
+            self.revert()
+
     def commit(self) -> None:
         """Keep the staged update (drop what it took to go back)."""
         self.settle()

@@ -143,7 +143,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def receive_weights(self, update_info: "PulsediffUpdateInfo | dict[str, Any]") -> None:
         start = time.perf_counter()
-        state, advance, failure, prepare = None, None, "", False
+        state, advance, failure, prepare, request = None, None, "", False, ()
         try:  # every failure here becomes this rank's outcome: each rank must reach the agreement
             if not isinstance(update_info, PulsediffUpdateInfo):
                 update_info = _typed(update_info)  # a UsageError: one line, like any refusal below
@@ -156,8 +156,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             state = self.host_state()
             if not prepare:
                 state.settle()
-                if state.staged is not None and state.prepared is None:  # an update interrupted before its verdict
-                    state.revert()
+                state.drop_unjudged()
                 # Staged: a rank keeps what it takes to go back until every rank has verified the same
                 # target. After a preparation of the same source it goes on from there (usually: nothing
                 # is left to do but the load).
@@ -209,8 +208,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         if verdict.refusal is not None:
             return self.refuse(verdict, UNDEFINED if self.engine_stale else KEPT)
         try:
-            if not state.preparing and state.staged is not None and state.prepared is None:
-                state.revert()  # an update interrupted before its verdict: the engine is where that began
+            state.drop_unjudged()  # an update interrupted before its verdict: the engine is where that began
             if not state.prepare(*request):
                 logger.info("pulsediff: an earlier preparation is still running; this one was not started")
         except Exception as exc:  # nothing was started: the update will do the whole work itself
