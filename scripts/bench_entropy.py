@@ -1,6 +1,7 @@
-"""Micro-benchmark of the ctx-rans entropy stage: changed values per second per core.
+"""Micro-benchmark of a codec's entropy stage: changed values per second per core.
 
-    python scripts/bench_entropy.py [--src DIR ...] [--elements N] [--density D] [--repeats R]
+    python scripts/bench_entropy.py [--src DIR ...] [--codec ctx-rans|ctx-ac ...] [--elements N]
+                                    [--density D] [--repeats R]
 
 The input is one BF16 tensor of N elements (weights ~N(0, 0.02)) in which a
 fraction D changed by one unit in the last place (1 in 200 of them by a far
@@ -16,15 +17,18 @@ wall time.
           Trees older than _encode_ranked: the section from a base and
           target minus the walk (timed apart), a noisier difference
   decode  Rice decoding of the ranks and rANS decoding of the values, as
-          codec.decode() calls them (one after the other here)
+          codec.decode() calls them (one after the other here); for
+          ctx-ac, its two adaptive streams (positions with the class table,
+          then values), as its decode calls them (ctx_ac._decode_both)
   walk    the ranked walk that rebuilds the tensor from them (apply's
           kernels.apply_ranked over the whole tensor, class counts given),
           in ns per element of the tensor: with --density 0.14, what a
           catch-up link spanning 16 steps lists
 
-With several --src trees (e.g. an older checkout), each is run in its own
-subprocess, alternating, and the medians are printed side by side: the way
-to quote a before/after ratio on a noisy machine.
+With several --src trees (e.g. an older checkout) or --codec values, each
+pair is run in its own subprocess, alternating, and the medians are printed
+side by side: the way to quote a before/after ratio on a noisy machine.
+ctx-ac needs a tree of 2026-11-27 or later.
 """
 
 from __future__ import annotations
@@ -41,7 +45,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(elements: int, density: float, seed: int) -> dict:
+def measure_ctx_ac(base, target, elements: int) -> dict:
+    """measure() for ctx-ac: its section writer, then its two streams' decoders."""
+    import numpy as np
+
+    from pulsediff.codecs import ctx_ac
+    from pulsediff.codecs.base import SectionContext
+    from pulsediff.io.memory import Scratch
+    from pulsediff.kernels import get_backend
+
+    zigzag, classes, ranks, _ = get_backend("cpu").diff_ranks(base, target, 7, 255)
+    ctx_ac._encode_ranked(classes, ranks, zigzag, 7, 8)  # first touch of its buffers' pages, untimed
+    t = time.thread_time()
+    enc = ctx_ac._encode_ranked(classes, ranks, zigzag, 7, 8)
+    encode_s = time.thread_time() - t
+    ctx = SectionContext("t", elements, 2, "bench")
+    count, _, bits, positions, signs, values = ctx_ac._split(b"".join(enc.parts), enc.params, ctx)
+    t = time.thread_time()
+    _, _, decoded_ranks, deltas = ctx_ac._decode_both(positions, signs, values, bits, count, ctx, Scratch())
+    decode_s = time.thread_time() - t
+    assert np.array_equal(np.sort(decoded_ranks), np.sort(ranks.astype(np.int64)))
+    return {"values": int(count), "bytes": sum(len(p) for p in enc.parts),
+            "encode_s": max(encode_s, 1e-9), "decode_s": decode_s, "walk_s": float("nan")}
+
+
+def measure(elements: int, density: float, seed: int, codec_id: str = "ctx-rans") -> dict:
     import numpy as np
 
     from pulsediff.codecs import get_codec
@@ -59,6 +87,8 @@ def measure(elements: int, density: float, seed: int) -> dict:
     target[hit] += rng.choice(np.array([1, 0xFFFF], np.uint16), hit.size)
     far = hit[rng.random(hit.size) < 0.005]
     target[far] ^= np.uint16(0x1234)
+    if codec_id == "ctx-ac":
+        return measure_ctx_ac(base, target, elements)
     positions = np.flatnonzero(base != target).astype(np.int64)
     values = target[positions]
     kernels = get_backend("cpu")
@@ -129,34 +159,41 @@ def main() -> None:
     ap.add_argument("--elements", type=int, default=1 << 26)
     ap.add_argument("--density", type=float, default=0.02)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--codec", action="append", choices=["ctx-rans", "ctx-ac"],
+                    help="codec whose entropy stage is timed (repeatable; default ctx-rans)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        measure(args.elements, args.density, 0)  # warm-up: JIT cache, page faults
-        print(json.dumps(measure(args.elements, args.density, 0)))
+        codec_id = (args.codec or ["ctx-rans"])[0]
+        measure(args.elements, args.density, 0, codec_id)  # warm-up: JIT cache, page faults
+        print(json.dumps(measure(args.elements, args.density, 0, codec_id)))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_core import from_tree  # here, not at the top: the child runs this file from another tree
 
-    trees = args.src or [ROOT]
-    results: dict[str, list[dict]] = {str(t): [] for t in trees}
+    runs_of = [(tree, codec_id) for tree in args.src or [ROOT] for codec_id in args.codec or ["ctx-rans"]]
+    results: dict[tuple, list[dict]] = {run: [] for run in runs_of}
     env = dict(os.environ, PULSEDIFF_THREADS="1", NUMBA_NUM_THREADS="1")
     for _ in range(args.repeats):
-        for tree in trees:  # alternating: drift hits every tree alike
+        for tree, codec_id in runs_of:  # alternating: drift hits every one alike
             child = from_tree(tree, f"import runpy; sys.argv = sys.argv[1:]; runpy.run_path({__file__!r}, "
                                     "run_name='__main__')")
+            codec_args = [] if codec_id == "ctx-rans" else ["--codec", codec_id]  # older trees know no --codec
             out = subprocess.run([*child, __file__, "--child", "--elements", str(args.elements),
-                                  "--density", str(args.density)], env=env, capture_output=True, text=True, check=True)
-            results[str(tree)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                                  "--density", str(args.density), *codec_args], env=env, capture_output=True,
+                                 text=True, check=True)
+            results[(tree, codec_id)].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.elements} BF16 elements, density {args.density}, one thread, medians of {args.repeats}\n")
-    print("| source | changed values | section bytes | encode M values/s | decode M values/s | walk ns/element |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for tree, runs in results.items():
+    print("| source | codec | changed values | section bytes | encode M values/s | decode M values/s | decode ns/value "
+          "| walk ns/element |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (tree, codec_id), runs in results.items():
         n = runs[0]["values"]
         enc = statistics.median(n / r["encode_s"] / 1e6 for r in runs)
         dec = statistics.median(n / r["decode_s"] / 1e6 for r in runs)
         walk = statistics.median(r.get("walk_s", float("nan")) / args.elements * 1e9 for r in runs)
-        print(f"| {tree} | {n} | {runs[0]['bytes']} | {enc:.1f} | {dec:.1f} | {walk:.2f} |")
+        print(f"| {tree} | {codec_id} | {n} | {runs[0]['bytes']} | {enc:.1f} | {dec:.1f} | {1e3 / dec:.1f} "
+              f"| {walk:.2f} |")
 
 
 if __name__ == "__main__":

@@ -107,3 +107,15 @@ def test_bench_digest_times_both_schemes(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "| tree |" in proc.stdout and "| flat |" in proc.stdout and "tree / flat:" in proc.stdout
+
+
+def test_bench_entropy_times_both_codecs_side_by_side():
+    """scripts/bench_entropy.py: a row per codec, each with a positive rate (its ctx-ac mode also
+    checks that the decoded ranks are the ones encoded)."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_entropy.py"), "--codec", "ctx-rans", "--codec",
+                           "ctx-ac", "--elements", "200000", "--density", "0.02", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(f"| {ROOT} |")]
+    assert [r[2].strip() for r in rows] == ["ctx-rans", "ctx-ac"]
+    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
