@@ -61,3 +61,40 @@ def test_container_bound():
     with pytest.raises(JsonError, match="arrays and objects"):
         loads(b"[" + b"{}," * 1000 + b"{}]", max_containers=100)
     assert len(loads(b"[" + b"{}," * 98 + b"{}]", max_containers=100)) == 99
+
+
+def brackets_of(value) -> bytes:
+    """The reference: the brackets json.dumps writes for `value`, from its structure alone."""
+    if isinstance(value, dict):
+        return b"{" + b"".join(brackets_of(v) for v in value.values()) + b"}"
+    if isinstance(value, list):
+        return b"[" + b"".join(brackets_of(v) for v in value) + b"]"
+    return b""
+
+
+@given(json_values, st.booleans(), st.integers(1, 9))
+def test_containers_across_chunk_boundaries(value, ascii_only, chunk):
+    """The scan reads a chunk at a time (of 256 KiB; here a few bytes, so that boundaries fall
+    inside strings and between the two bytes of an escape): the brackets outside strings, exactly."""
+    from unittest import mock
+
+    from pulsediff.io import strict_json
+
+    data = json.dumps(value, ensure_ascii=ascii_only).encode()
+    with mock.patch.object(strict_json, "_CHUNK", chunk):
+        assert strict_json._containers(data) == brackets_of(value)
+
+
+def test_quotes_do_not_become_objects():
+    """Text of nothing but quotes (a header frame can declare 256 MiB of them) once became one
+    Python object per quote: 64 MiB took 2.8 GB. Now the scan holds about a chunk's worth."""
+    import tracemalloc
+
+    data = b'"' * (8 << 20)
+    tracemalloc.start()
+    try:
+        assert nesting_depth(data) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, peak
