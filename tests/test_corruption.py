@@ -230,6 +230,33 @@ def test_hostile_header_json_is_a_corrupt_patch(raw, reason):
         _decode_header_frame(zstandard.ZstdCompressor().compress(raw), "p")
 
 
+def test_header_frame_that_declares_far_more_than_it_weighs_is_refused_before_decoding():
+    """A frame of a few KB may declare 256 MiB, which a reader had to hold (and copy) before it could
+    tell it was no header: refused from the frame's length and declared size alone."""
+    from pulsediff.errors import CorruptPatchError
+    from pulsediff.format.container import MAX_HEADER_EXPANSION, PatchReader, header_size_allowed
+
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(b"{" + b" " * (8 << 20) + b"}")
+    assert header_size_allowed(len(frame)) < (8 << 20)
+    with pytest.raises(CorruptPatchError, match=f"more than {MAX_HEADER_EXPANSION} times its length"):
+        PatchReader(io.BytesIO(encode_preamble(frame) + frame), "p")
+
+
+def test_header_that_compresses_past_the_bound_is_written_stored_and_reads_back():
+    """A writer must not write what readers refuse: a header that zstd would squeeze past the bound
+    (never a real checkpoint's: their digests do not compress) goes out as raw zstd blocks."""
+    from pulsediff.format.container import PatchReader, header_size_allowed
+
+    header = {"tool": "t", "pad": "x" * (3 << 20)}
+    frame = encode_header(header)
+    assert len(frame) > 3 << 20  # stored, not compressed
+    assert zstandard.frame_content_size(frame) <= header_size_allowed(len(frame))
+    assert json.loads(zstandard.ZstdDecompressor().decompress(frame)) == header  # any zstd reads it
+    assert PatchReader(io.BytesIO(encode_preamble(frame) + frame), "p").header == header
+    small = encode_header({"tool": "t"})
+    assert len(small) < 64  # the usual case: compressed
+
+
 def _edit_layout(patch: bytes, edit) -> bytes:
     """The patch with its layout blob replaced by `edit(blob, header)`, every checksum, offset and size
     recomputed to match: what a careless or hostile writer produces."""

@@ -56,9 +56,39 @@ def section_checksum(data) -> str:
 HEADER_ZSTD_LEVEL = 15
 
 
+# A header frame may declare at most this many times its own length (or HEADER_EXPANSION_FLOOR): a
+# frame of a few KB can otherwise declare 256 MiB, which a reader must hold (and copy) before it can
+# tell that it is no header. pulsediff's headers compress about 5x: their entries' XXH3-128 digests
+# do not compress. (FORMAT.md 1.)
+MAX_HEADER_EXPANSION = 1024
+HEADER_EXPANSION_FLOOR = 1 << 20
+
+
+def header_size_allowed(frame_length: int) -> int:
+    """The most a header frame of `frame_length` bytes may declare."""
+    return min(MAX_HEADER_BYTES, max(HEADER_EXPANSION_FLOOR, MAX_HEADER_EXPANSION * frame_length))
+
+
 def encode_header(header: dict) -> bytes:
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return zstandard.ZstdCompressor(level=HEADER_ZSTD_LEVEL, write_content_size=True).compress(raw)
+    frame = zstandard.ZstdCompressor(level=HEADER_ZSTD_LEVEL, write_content_size=True).compress(raw)
+    if len(raw) > header_size_allowed(len(frame)):  # would compress past what readers accept
+        frame = stored_frame(raw)
+    return frame
+
+
+def stored_frame(raw: bytes) -> bytes:
+    """`raw` as a zstd frame of raw (uncompressed) blocks, its content size declared: how a header
+    that compresses too well to be read back is written (it never happens with real checkpoints)."""
+    block = 128 * 1024  # the most a zstd block may hold
+    out = [struct.pack("<IB", 0xFD2FB528, 0xE0), struct.pack("<Q", len(raw))]  # single segment, 8-byte size
+    starts = range(0, len(raw), block) if raw else [0]
+    for start in starts:
+        size = len(raw[start:start + block])
+        last = int(start + block >= len(raw))
+        out.append((size << 3 | last).to_bytes(3, "little"))  # block type 0: raw
+        out.append(raw[start:start + block])
+    return b"".join(out)
 
 
 def _header_checksum(preamble_fields: bytes, header_frame: bytes) -> int:
@@ -181,6 +211,9 @@ def _decode_header_frame(frame: bytes, source: str) -> dict:
         size = zstandard.frame_content_size(frame)
         if not 0 < size <= MAX_HEADER_BYTES:
             raise CorruptPatchError(source, "header declares an invalid size")
+        if size > header_size_allowed(len(frame)):
+            raise CorruptPatchError(source, f"header frame of {len(frame)} bytes declares {size}, more than "
+                                            f"{MAX_HEADER_EXPANSION} times its length")
         raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
         header = strict_json.loads(raw, max_containers=MAX_HEADER_CONTAINERS)
     except zstandard.ZstdError:
