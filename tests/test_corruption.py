@@ -244,17 +244,60 @@ def test_header_frame_that_declares_far_more_than_it_weighs_is_refused_before_de
 
 def test_header_that_compresses_past_the_bound_is_written_stored_and_reads_back():
     """A writer must not write what readers refuse: a header that zstd would squeeze past the bound
-    (never a real checkpoint's: their digests do not compress) goes out as raw zstd blocks."""
+    (never a real checkpoint's: their digests do not compress) goes out as raw zstd blocks, with a
+    128 KiB window, which stock decoders read whole or streamed."""
     from pulsediff.format.container import PatchReader, header_size_allowed
 
     header = {"tool": "t", "pad": "x" * (3 << 20)}
     frame = encode_header(header)
     assert len(frame) > 3 << 20  # stored, not compressed
     assert zstandard.frame_content_size(frame) <= header_size_allowed(len(frame))
-    assert json.loads(zstandard.ZstdDecompressor().decompress(frame)) == header  # any zstd reads it
+    assert zstandard.get_frame_parameters(frame).window_size == 128 * 1024
+    assert json.loads(zstandard.ZstdDecompressor().decompress(frame)) == header
+    assert json.loads(zstandard.ZstdDecompressor().stream_reader(frame).read()) == header
     assert PatchReader(io.BytesIO(encode_preamble(frame) + frame), "p").header == header
     small = encode_header({"tool": "t"})
     assert len(small) < 64  # the usual case: compressed
+
+
+@pytest.mark.parametrize("size", [0, 1, 128 * 1024 - 1, 128 * 1024, 128 * 1024 + 1, 3 * 128 * 1024 - 5])
+def test_stored_frame_is_plain_zstd(size):
+    from pulsediff.format.container import stored_frame
+
+    raw = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    frame = stored_frame(raw)
+    assert zstandard.frame_content_size(frame) == size
+    assert zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(size, 1)) == raw
+    assert zstandard.ZstdDecompressor().stream_reader(frame).read() == raw
+
+
+def test_header_bound_is_exact_and_nothing_may_follow_the_frame():
+    from pulsediff.errors import CorruptPatchError
+    from pulsediff.format.container import HEADER_EXPANSION_FLOOR, MAX_HEADER_EXPANSION, _decode_header_frame
+
+    raw = b'{"a":"' + b"x" * (4 * HEADER_EXPANSION_FLOOR) + b'"}'
+    squeezed = zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+    skippable = struct.pack("<II", 0x184D2A50, 0)  # a skippable frame: padding that raises the allowance
+    at_bound = len(raw) // MAX_HEADER_EXPANSION + (len(raw) % MAX_HEADER_EXPANSION > 0)
+    with pytest.raises(CorruptPatchError, match="more than"):
+        _decode_header_frame(squeezed, "p")
+    with pytest.raises(CorruptPatchError, match="more than"):  # one byte short of the bound
+        _decode_header_frame(squeezed + skippable + b"\0" * (at_bound - len(squeezed) - 9), "p")
+    with pytest.raises(CorruptPatchError, match="does not decode"):  # at the bound: bytes after the frame
+        _decode_header_frame(squeezed + skippable + b"\0" * (at_bound - len(squeezed) - 8), "p")
+    fits = encode_header({"a": "b"})
+    assert _decode_header_frame(fits, "p") == {"a": "b"}
+    with pytest.raises(CorruptPatchError, match="does not decode"):
+        _decode_header_frame(fits + b"\0" * 4, "p")
+
+
+def test_writer_refuses_a_header_over_the_limit(monkeypatch):
+    from pulsediff.errors import PulsediffError
+    from pulsediff.format import container
+
+    monkeypatch.setattr(container, "MAX_HEADER_BYTES", 1000)
+    with pytest.raises(PulsediffError, match="over the format's limit"):
+        container.encode_header({"pad": "x" * 2000})
 
 
 def _edit_layout(patch: bytes, edit) -> bytes:

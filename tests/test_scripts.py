@@ -110,8 +110,8 @@ def test_bench_digest_times_both_schemes(tmp_path):
 
 
 def test_bench_entropy_times_both_codecs_side_by_side():
-    """scripts/bench_entropy.py: a row per codec, each with a positive rate (its ctx-ac mode also
-    checks that the decoded ranks are the ones encoded)."""
+    """scripts/bench_entropy.py: a row per codec, each with a positive rate (each mode also checks
+    that the section it times decodes to the target)."""
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_entropy.py"), "--codec", "ctx-rans", "--codec",
                            "ctx-ac", "--elements", "200000", "--density", "0.02", "--repeats", "1"],
                           capture_output=True, text=True, timeout=600)

@@ -85,15 +85,17 @@ def test_containers_across_chunk_boundaries(value, ascii_only, chunk):
         assert strict_json._containers(data) == brackets_of(value)
 
 
-def test_quotes_do_not_become_objects():
+@pytest.mark.parametrize("unit", [b'"', b"\\", b"\\xab", b'\\"', b'[\\"'])
+def test_quotes_and_escapes_do_not_become_objects(unit):
     """Text of nothing but quotes (a header frame can declare 256 MiB of them) once became one
-    Python object per quote: 64 MiB took 2.8 GB. Now the scan holds about a chunk's worth."""
+    Python object per quote: 64 MiB took 2.8 GB. A regex taking out escapes did the same per
+    backslash (found by review). Now the scan holds a few copies at most, and a chunk's split."""
     import tracemalloc
 
-    data = b'"' * (8 << 20)
+    data = unit * ((8 << 20) // len(unit))
     tracemalloc.start()
     try:
-        assert nesting_depth(data) == 0
+        nesting_depth(data)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

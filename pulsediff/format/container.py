@@ -25,6 +25,7 @@ from pulsediff.errors import (
     CorruptPatchError,
     NotAPatchError,
     PatchReadError,
+    PulsediffError,
     TruncatedPatchError,
     UnsupportedVersionError,
 )
@@ -58,7 +59,7 @@ HEADER_ZSTD_LEVEL = 15
 
 # A header frame may declare at most this many times its own length (or HEADER_EXPANSION_FLOOR): a
 # frame of a few KB can otherwise declare 256 MiB, which a reader must hold (and copy) before it can
-# tell that it is no header. pulsediff's headers compress about 5x: their entries' XXH3-128 digests
+# tell that it is no header. pulsediff's headers compress 1.6-6x: their entries' XXH3-128 digests
 # do not compress. (FORMAT.md 1.)
 MAX_HEADER_EXPANSION = 1024
 HEADER_EXPANSION_FLOOR = 1 << 20
@@ -71,6 +72,9 @@ def header_size_allowed(frame_length: int) -> int:
 
 def encode_header(header: dict) -> bytes:
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(raw) > MAX_HEADER_BYTES:  # readers refuse it (FORMAT.md 9): write nothing they refuse
+        raise PulsediffError(f"the patch header would be {len(raw)} bytes, over the format's limit of "
+                             f"{MAX_HEADER_BYTES >> 20} MiB: too many tensors or files for one patch")
     frame = zstandard.ZstdCompressor(level=HEADER_ZSTD_LEVEL, write_content_size=True).compress(raw)
     if len(raw) > header_size_allowed(len(frame)):  # would compress past what readers accept
         frame = stored_frame(raw)
@@ -79,15 +83,19 @@ def encode_header(header: dict) -> bytes:
 
 def stored_frame(raw: bytes) -> bytes:
     """`raw` as a zstd frame of raw (uncompressed) blocks, its content size declared: how a header
-    that compresses too well to be read back is written (it never happens with real checkpoints)."""
+    that compresses too well to be read back is written (it never happens with real checkpoints).
+    The frame names a 128 KiB window (one block), not the whole content as a single-segment frame
+    would: stock decoders refuse windows over 128 MiB."""
     block = 128 * 1024  # the most a zstd block may hold
-    out = [struct.pack("<IB", 0xFD2FB528, 0xE0), struct.pack("<Q", len(raw))]  # single segment, 8-byte size
+    # Descriptor 0xC0: an 8-byte content size, a window descriptor, no checksum, no dictionary.
+    # Window descriptor 0x38: exponent 7, mantissa 0, i.e. 2**(10 + 7) bytes.
+    out = [struct.pack("<IBB", 0xFD2FB528, 0xC0, 0x38), struct.pack("<Q", len(raw))]
     starts = range(0, len(raw), block) if raw else [0]
     for start in starts:
-        size = len(raw[start:start + block])
+        size = min(block, len(raw) - start)
         last = int(start + block >= len(raw))
         out.append((size << 3 | last).to_bytes(3, "little"))  # block type 0: raw
-        out.append(raw[start:start + block])
+        out.append(raw[start:start + size])
     return b"".join(out)
 
 
@@ -214,7 +222,7 @@ def _decode_header_frame(frame: bytes, source: str) -> dict:
         if size > header_size_allowed(len(frame)):
             raise CorruptPatchError(source, f"header frame of {len(frame)} bytes declares {size}, more than "
                                             f"{MAX_HEADER_EXPANSION} times its length")
-        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
         header = strict_json.loads(raw, max_containers=MAX_HEADER_CONTAINERS)
     except zstandard.ZstdError:
         raise CorruptPatchError(source, "header does not decode") from None
