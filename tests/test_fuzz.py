@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import io
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -136,8 +137,12 @@ def test_header_json_bomb_is_refused_quickly(pair, tmp_path):
 
     old, _, _ = pair
     n = 9_000_000  # above the bound of 8 million
-    raw = b"[" + b"[]," * n + b"[]]"
+    # An incompressible string makes the frame heavy enough (1/1024 of what it declares) to pass the
+    # header's expansion bound (FORMAT.md 1), so the count of arrays and objects behind it is what refuses.
+    ballast = b'"' + os.urandom(24_000).hex().encode() + b'"'
+    raw = b"[" + b"[]," * n + ballast + b"]"
     frame = zstandard.ZstdCompressor(level=1).compress(raw)
+    assert len(raw) <= 1024 * len(frame)
     t = time.monotonic()
     refused_with_nothing_written(old, fc.forge_frame(frame), tmp_path, "arrays and objects")
     assert time.monotonic() - t < 20
@@ -316,10 +321,12 @@ def test_killed_apply_leaves_no_output_or_a_whole_one(kill_pairs, tmp_path, kind
 def test_header_of_small_values_that_exceeds_memory_is_refused(tmp_path):
     """200 MiB of `1,1,...` (within the 256 MiB header bound) escaped as MemoryError under a 2 GiB limit."""
     child = """
-import resource, zstandard
+import os, resource, zstandard
 from pulsediff.errors import CorruptPatchError
 from pulsediff.format.container import _decode_header_frame
-frame = zstandard.ZstdCompressor(level=1).compress(b"[" + b"1," * (48 << 20) + b"1]")
+ballast = b'"' + os.urandom(100_000).hex().encode() + b'"'  # passes the expansion bound (FORMAT.md 1)
+frame = zstandard.ZstdCompressor(level=1).compress(b"[" + b"1," * (48 << 20) + ballast + b"]")
+assert (96 << 20) <= 1024 * len(frame)
 vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20),) * 2)  # less than the list of 48 Mi ints needs
 try:
