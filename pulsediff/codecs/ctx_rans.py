@@ -573,17 +573,24 @@ def class_params(params: dict, ctx: SectionContext) -> tuple[int, int, int]:
     return count, shift, bits
 
 
-def _split(payload: bytes, params: dict, ctx: SectionContext):
-    """Checked params and the section's five parts."""
+def section_layout(params: dict, ctx: SectionContext, length: int) -> tuple[int, int, int, int, list[int]]:
+    """Checked params of a section of `length` bytes: (count, class shift, class mask, escapes,
+    the byte lengths of its table, positions, frequencies and values; the escapes fill the rest)."""
     count, shift, bits = class_params(params, ctx)
     n_escapes = parse_uint(params, "escapes", ctx, count)
-    lengths = [parse_uint(params, key, ctx, len(payload)) for key in
+    lengths = [parse_uint(params, key, ctx, length) for key in
                ("table_bytes", "position_bytes", "frequency_bytes", "value_bytes")]
-    bounds = np.cumsum([0, *lengths, n_escapes * ctx.itemsize])
-    if bounds[-1] != len(payload):
+    if sum(lengths) + n_escapes * ctx.itemsize != length:
         raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: section parts do not add up to its length")
+    return count, shift, (1 << bits) - 1, n_escapes, lengths
+
+
+def _split(payload: bytes, params: dict, ctx: SectionContext):
+    """Checked params and the section's five parts."""
+    count, shift, mask, n_escapes, lengths = section_layout(params, ctx, len(payload))
+    bounds = np.cumsum([0, *lengths, n_escapes * ctx.itemsize])
     parts = tuple(payload[bounds[i]:bounds[i + 1]] for i in range(5))
-    return count, shift, (1 << bits) - 1, n_escapes, parts
+    return count, shift, mask, n_escapes, parts
 
 
 def _decode_values(freq_bytes: bytes, rans_bytes: bytes, esc_bytes: bytes, count: int, n_escapes: int,

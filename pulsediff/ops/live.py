@@ -344,15 +344,21 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
         scratch = Scratch()
         # Decode and check every tensor first, keeping only its changes; write nothing yet.
         changes: list[tuple[str, np.ndarray, np.ndarray]] = []
+        batches = _RebuiltInBatches(reader.source, changes)
         read_layout(reader, header, sequential=True)  # checked, though live tensors have no files
         for rec in header.tensors:  # sections are read in order: works on streams
             payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
             if payload is None:
                 continue
             base = live.raw_bytes(rec.name).view(rec.dtype.bits_dtype)
+            if batches.takes(rec):  # a small ctx-rans section: decoded in a batch, on a copy
+                batches.add(rec, base, payload)
+                continue
+            batches.finish()  # earlier tensors are checked first: the first failure is the one raised
             new = rebuild_tensor(rec, payload, base if rec.op == "patch" else None, backend, reader.source, scratch)
             positions = np.flatnonzero(new != base)
             changes.append((rec.name, positions, new[positions].copy(), base[positions].copy()))
+        batches.finish()
         for f in header.files:  # a model folder's config and tokenizer: checked, not used here
             if f.section is not None:
                 reader.read_next(f.section, f"file {f.name!r}")
@@ -369,6 +375,65 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
     finally:
         if owned:
             owned.close()
+
+
+class _RebuiltInBatches:
+    """The digests path's small ctx-rans sections, rebuilt on copies of their bases in batches
+    (ctx_rans_batch), as many batches at once as there are threads; each rebuilt copy is checked
+    against its tensor's hash and only its changes are kept, in `changes`."""
+
+    def __init__(self, source: str, changes: list):
+        from pulsediff.kernels.threads import num_threads
+
+        self.source, self.changes = source, changes
+        self.closed: list = []  # batches full, not yet run
+        self.batch = None
+        self.records: dict = {}
+        self.threads = num_threads()
+
+    def takes(self, rec) -> bool:
+        from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL
+
+        return rec.op == "patch" and rec.section.codec == "ctx-rans" and rec.numel <= BATCH_MAX_NUMEL
+
+    def add(self, rec, base: np.ndarray, payload: bytes) -> None:
+        from pulsediff.codecs.base import SectionContext
+        from pulsediff.codecs.ctx_rans_batch import BATCH_ELEMENTS, Batch
+        from pulsediff.ops.rebuild import _check_base_size
+
+        _check_base_size(rec, base, self.source)
+        if self.batch is not None and (self.batch.dtype != base.dtype or self.batch.elements >= BATCH_ELEMENTS):
+            self.closed.append(self.batch)
+            self.batch = None
+            if len(self.closed) >= self.threads:
+                self._run()
+        if self.batch is None:
+            self.batch = Batch(base.dtype)
+        self.batch.add(rec.name, base.copy(), payload, rec.section.params,
+                       SectionContext(rec.name, rec.numel, rec.dtype.itemsize, self.source))
+        self.records[rec.name] = rec
+
+    def finish(self) -> None:
+        if self.batch is not None:
+            self.closed.append(self.batch)
+            self.batch = None
+        self._run()
+
+    def _run(self) -> None:
+        from pulsediff.kernels.threads import parallel_map
+
+        batches, self.closed = self.closed, []
+        for result in parallel_map(lambda batch: batch.run(), [(b,) for b in batches]):
+            for name, new, positions, old, _, _ in result.applied():
+                rec = self.records.pop(name)
+                if rec.scheme.tensor_hash(new) != rec.target_hash:
+                    raise CorruptPatchError(self.source, f"tensor {name!r} does not rebuild to its recorded hash")
+                values = new[positions]
+                keep = values != old  # entries that change nothing are no change
+                self.changes.append((name, positions[keep], values[keep], old[keep]))
+            error = result.error()
+            if error is not None:
+                raise error
 
 
 # -- the sums path: live tensors checked and patched where they live -------------------
@@ -458,6 +523,7 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     from pulsediff.ops.rebuild import rebuild_tensor
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import Scratch, SectionContext
+    from pulsediff.codecs.ctx_rans_batch import BATCH_ELEMENTS, BATCH_MAX_NUMEL, Batch
 
     views = dict(views)
     views.update({alias: views[name] for alias, name in aliases.items()})
@@ -467,8 +533,7 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
         if by_name[alias].target_sum != by_name[name].target_sum or by_name[alias].target_hash != by_name[name].target_hash:
             raise UsageError(f"live tensors {name!r} and {alias!r} share memory, but the patch gives them "
                              "different values")
-    sums = {r.name: known[r.name] if r.name in known else _kernels_for(views[r.name]).word_sum(views[r.name])
-            for r in records}
+    sums = _word_sums(views, [r.name for r in records], known)
     known.clear()
     known.update(sums)
     if all(sums[r.name] == int(r.target_sum, 16) for r in records):
@@ -530,21 +595,36 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
             raise CorruptPatchError(reader.source, f"tensor {rec.name!r} does not rebuild to its recorded word sum")
         return count
 
+    def batchable(rec) -> bool:  # small ctx-rans sections into host tensors: batched (ctx_rans_batch)
+        return rec.op == "patch" and rec.section.codec == "ctx-rans" and rec.numel <= BATCH_MAX_NUMEL \
+            and isinstance(views[rec.name], np.ndarray)
+
+    def batch_of(rec, payload, batch):
+        """`batch` with this section added, or a new batch where it cannot take it."""
+        view = views[rec.name]
+        if batch is None or batch.dtype != view.dtype or batch.elements >= BATCH_ELEMENTS:
+            batch = Batch(view.dtype)
+        batch.add(rec.name, view, payload, rec.section.params,
+                  SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source), sums[rec.name],
+                  int(rec.target_sum, 16))
+        return batch
+
     # sections in order (works on streams); the generator is closed, its pool joined, on any exit
-    with contextlib.closing(_decoded_ahead(records, reader, aliases)) as sections:
+    with contextlib.closing(_decoded_ahead(records, reader, aliases, batchable)) as sections:
+        units = _work_units(sections, batchable, batch_of)
         if _side_by_side(views):
-            placed = _placed_side_by_side(sections, place)
+            placed = _placed_side_by_side(units, place, undo)
         else:
             scratch = Scratch()
-            placed = ((rec, place(rec, payload, decoded, scratch)) for rec, payload, decoded in sections)
+            placed = _placed_in_turn(units, place, scratch, undo)
         # Closed on any exit, an interrupt in this loop's body included: the side-by-side
         # generator then waits for every placement still writing before the caller rolls back.
         with contextlib.closing(placed):
-            for rec, count in placed:
-                known[rec.name] = int(rec.target_sum, 16)
-                counts[rec.name] = count
+            for name, count, after in placed:
+                known[name] = after
+                counts[name] = count
                 if count:
-                    names.add(rec.name)
+                    names.add(name)
                     elements += count
     for f in header.files:  # a model folder's config and tokenizer: checked, not used here
         if f.section is not None:
@@ -558,6 +638,68 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     return _Step("applied", header.target_digest, names, elements)
 
 
+def _word_sums(views: Mapping, names: list, known: Mapping) -> dict:
+    """name -> word sum of each view: from `known` where it has one, small host arrays in one
+    kernel call (ctx_rans_batch.word_sums_of), the rest where they live."""
+    from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL, word_sums_of
+
+    sums = {name: known[name] for name in names if name in known}
+    small = [name for name in names if name not in sums and isinstance(views[name], np.ndarray)
+             and views[name].size <= BATCH_MAX_NUMEL]
+    sums.update(zip(small, word_sums_of([views[name] for name in small])))
+    for name in names:
+        if name not in sums:
+            sums[name] = _kernels_for(views[name]).word_sum(views[name])
+    return sums
+
+
+def _work_units(sections, batchable, batch_of):
+    """The sections as units of work, in order: a Batch of consecutive small ctx-rans sections of
+    one width (closed when full, when the width changes or when another section comes), or one
+    section as (record, payload, decoded entries)."""
+    batch = None
+    for rec, payload, decoded in sections:
+        if batchable(rec):
+            grown = batch_of(rec, payload, batch)
+            if batch is not None and grown is not batch:
+                yield batch
+            batch = grown
+            continue
+        if batch is not None:
+            yield batch
+            batch = None
+        yield rec, payload, decoded
+    if batch is not None:
+        yield batch
+
+
+def _run_unit(unit, place, scratch, alone: bool = False):
+    """Place one unit; returns [(name, changed, sum after)] and the undo entries it logged (a
+    batch's all at once: its kernel puts back the tensor it fails on, and raises nothing else)."""
+    from pulsediff.codecs.ctx_rans_batch import Batch
+
+    if isinstance(unit, Batch):
+        result = unit.run()
+        logged, placed = [], []
+        for name, view, positions, old, after, count in result.applied():
+            logged.append(_Undo(name, view, positions, old))
+            placed.append((name, count, after))
+        return placed, logged, result.error()
+    rec, payload, decoded = unit
+    count = place(rec, payload, decoded, scratch, alone)
+    return [(rec.name, count, int(rec.target_sum, 16))], [], None
+
+
+def _placed_in_turn(units, place, scratch, undo):
+    """(name, elements changed, word sum after) of each section, placed on this thread in order."""
+    for unit in units:
+        placed, logged, error = _run_unit(unit, place, scratch)
+        undo.extend(logged)
+        if error is not None:
+            raise error
+        yield from placed
+
+
 def _side_by_side(views: Mapping) -> bool:
     """Whether tensors are placed side by side, one per worker thread, each walked on its thread
     alone (the CPU's one-pass walk, without the class counts a range-parallel walk needs)."""
@@ -569,10 +711,11 @@ def _side_by_side(views: Mapping) -> bool:
         and cpu_backend().side_by_side() > 0 and not serial()
 
 
-def _placed_side_by_side(sections, place):
-    """(record, elements changed) for each section, in order, placed by `place` on the worker
-    threads, as many at once as there are threads. A failure is raised once every placement
-    that started has finished, so none still writes while the caller rolls back."""
+def _placed_side_by_side(units, place, undo):
+    """(name, elements changed, word sum after) of each section, in order, its unit (a batch, or
+    one section placed alone by `place`) run on the worker threads, as many at once as there are
+    threads. A failure is raised once every unit that started has finished, so none still writes
+    while the caller rolls back; the undo entries of every batch that ran are in `undo` by then."""
     from collections import deque
     from concurrent.futures import wait
 
@@ -580,17 +723,26 @@ def _placed_side_by_side(sections, place):
     from pulsediff.kernels.threads import num_threads, pool
 
     running: deque = deque()
+
+    def settled(future):
+        placed, logged, error = future.result()
+        undo.extend(logged)
+        if error is not None:
+            raise error
+        return placed
+
     try:
-        for rec, payload, decoded in sections:
-            running.append((rec, pool().submit(place, rec, payload, decoded, Scratch(), True)))
+        for unit in units:
+            running.append(pool().submit(_run_unit, unit, place, Scratch(), True))
             if len(running) >= num_threads():
-                rec0, future = running.popleft()
-                yield rec0, future.result()
+                yield from settled(running.popleft())
         while running:
-            rec0, future = running.popleft()
-            yield rec0, future.result()
+            yield from settled(running.popleft())
     finally:
-        wait([future for _, future in running])
+        wait(running)
+        for future in running:  # batches that finished unseen: their writes must be undone too
+            if not future.cancelled() and future.exception() is None:
+                undo.extend(future.result()[1])
 
 
 # Sections decoded ahead of the one being placed: bounded by count (the worker threads, at
@@ -601,7 +753,7 @@ DECODE_AHEAD_BYTES = 1 << 30
 DECODE_AHEAD_SECTIONS = 16
 
 
-def _decoded_ahead(records, reader, aliases):
+def _decoded_ahead(records, reader, aliases, batched=lambda rec: False):
     """(record, payload, decoded entries or None) for every section that is written, in order.
 
     The payloads are read in order (a patch may be a stream); the host half of each `patch`
@@ -626,7 +778,7 @@ def _decoded_ahead(records, reader, aliases):
             if payload is None or rec.name in aliases:  # an alias is written through its own name
                 continue
             future = None
-            if pool is not None and rec.op == "patch":
+            if pool is not None and rec.op == "patch" and not batched(rec):  # a batch decodes in its kernel
                 codec = get_codec(rec.section.codec)
                 ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
                 future = pool.submit(codec.decode_changes, payload, rec.section.params, ctx)

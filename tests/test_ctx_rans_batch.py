@@ -1,0 +1,147 @@
+"""Batched ctx-rans sections (codecs/ctx_rans_batch.py) against the per-section path.
+
+The per-section path (`CtxRans.locate`, `add_at_summed`, a word sum) is the reference: on
+random state dicts of many small tensors of every width, and on sections damaged behind
+valid checksums, a batched apply must leave the same tensors, with the same error words, as
+the same apply with batching switched off (BATCH_MAX_NUMEL = -1).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import pulsediff
+from pulsediff.codecs import ctx_rans_batch
+from pulsediff.errors import PulsediffError
+
+from ckpt_factory import mutate, random_tensor
+from fuzz_cases import assemble, mutate_bytes, split_patch
+
+DTYPES = ("BF16", "F32", "F16", "F64", "U8", "I16")
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _state(seed: int, count: int = 40) -> tuple[dict, dict, dict]:
+    """Three steps of a state dict of small tensors, mixed widths and densities (some with
+    escapes: changes of more than a few units in the last place)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(0,), (1,), (5,), (7, 3), (64, 33), (300,), (2, 3, 50)]
+    steps = [{f"m.{i}.{dtype}": random_tensor(rng, dtype, shapes[i % len(shapes)])
+              for i in range(count) for dtype in DTYPES[i % 3: i % 3 + 3]}]
+    for _ in range(2):
+        steps.append({k: mutate(rng, v, float(rng.choice([0.003, 0.05, 0.5]))) for k, v in steps[-1].items()})
+    return tuple(steps)
+
+
+def _apply(tensors: dict, patches, batched: bool, monkeypatch, check: str = "sums") -> tuple[dict, str | None]:
+    """The tensors after apply_to_state_dict, and the error's words (or None)."""
+    live = {k: v.clone() for k, v in tensors.items()}
+    with monkeypatch.context() as m:
+        if not batched:
+            m.setattr(ctx_rans_batch, "BATCH_MAX_NUMEL", -1)
+        try:
+            pulsediff.apply_to_state_dict(live, patches, check=check)
+            error = None
+        except PulsediffError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    return {k: _bits(v) for k, v in live.items()}, error
+
+
+@pytest.mark.parametrize("seed,check", [(0, "sums"), (1, "sums"), (2, "digests"), (3, "digests")])
+def test_batched_chain_writes_the_target_as_the_per_section_path_does(seed, check, monkeypatch):
+    a, b, c = _state(seed)
+    patches = [pulsediff.make_patch_bytes(a, b), pulsediff.make_patch_bytes(b, c)]
+    assert any(t["op"] == "patch" and t["section"]["codec"] == "ctx-rans"
+               for t in split_patch(patches[0])["tensors"])
+    batched, error = _apply(a, patches, True, monkeypatch, check)
+    assert error is None
+    assert batched == {k: _bits(v) for k, v in c.items()}
+    assert _apply(a, patches, False, monkeypatch, check) == (batched, None)
+
+
+def test_batches_fill_and_close_across_widths(monkeypatch):
+    """Tiny batches (one tensor's elements close one) and many of them across the threads."""
+    a, b, _ = _state(7, count=60)
+    patch = pulsediff.make_patch_bytes(a, b)
+    monkeypatch.setattr(ctx_rans_batch, "BATCH_ELEMENTS", 200)
+    assert _apply(a, patch, True, monkeypatch) == ({k: _bits(v) for k, v in b.items()}, None)
+
+
+def test_word_sums_of_equals_the_kernels_word_sum():
+    from pulsediff.kernels.cpu import word_sum
+
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 7, 8, 9, 15, 16, 17, 1000, 4097)]
+    assert ctx_rans_batch.word_sums_of(arrays) == [word_sum(x) for x in arrays]
+
+
+def _damaged(patch: bytes, rng: random.Random) -> bytes:
+    """The patch with one ctx-rans section's bytes or params damaged, behind valid checksums."""
+    header = split_patch(patch)
+    refs = [t["section"] for t in header["tensors"] if t["op"] == "patch" and t["section"]["codec"] == "ctx-rans"]
+    ref = rng.choice(refs)
+    roll = rng.random()
+    if roll < 0.6:  # bytes changed in place: the parts still add up, so the decoders meet the damage
+        body = bytearray(ref["__body__"])
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            i = rng.randrange(len(body))
+            body[i] = body[i] ^ (1 << rng.randrange(8)) if rng.random() < 0.5 else rng.randrange(256)
+        ref["__body__"] = bytes(body)
+    elif roll < 0.8:
+        ref["__body__"] = mutate_bytes(rng, ref["__body__"])
+    else:
+        key = rng.choice(sorted(ref["params"]))
+        ref["params"][key] = rng.choice([0, 1, ref["params"][key] + 1, max(0, ref["params"][key] - 1), 2 ** 40])
+    return assemble(header)
+
+
+@pytest.mark.parametrize("check", ["sums", "digests"])
+def test_damaged_sections_fail_alike_batched_or_not(check, monkeypatch):
+    """Every damage the per-section path refuses is refused in the same words, every one it
+    accepts gives the same tensors; either way the tensors are left as they were on failure."""
+    a, b, _ = _state(11, count=12)
+    patch = pulsediff.make_patch_bytes(a, b)
+    rng = random.Random(5)
+    refused = 0
+    before = {k: _bits(v) for k, v in a.items()}
+    for _ in range(240):
+        bad = _damaged(patch, rng)
+        got = _apply(a, bad, True, monkeypatch, check)
+        assert got == _apply(a, bad, False, monkeypatch, check)
+        if got[1] is not None:
+            refused += 1
+            assert got[0] == before
+    assert refused > 150  # most damage is caught: the comparison is not between two passes
+
+
+def test_a_failure_in_a_later_batch_puts_back_the_earlier_batches(monkeypatch):
+    a, b, _ = _state(13, count=60)
+    header = split_patch(pulsediff.make_patch_bytes(a, b))
+    last = [t for t in header["tensors"] if t["op"] == "patch"][-1]
+    last["target_sum"] = f"{(int(last['target_sum'], 16) + 1) % 2 ** 64:016x}"
+    monkeypatch.setattr(ctx_rans_batch, "BATCH_ELEMENTS", 500)
+    tensors, error = _apply(a, assemble(header), True, monkeypatch)
+    assert error is not None and "does not rebuild to its recorded word sum" in error
+    assert tensors == {k: _bits(v) for k, v in a.items()}
+
+
+def test_a_batched_rebuild_that_misses_its_hash_is_refused_before_any_write(monkeypatch):
+    """The digests path: a section damaged in its escapes (the values only) decodes, and only its
+    tensor's hash can tell; nothing is written."""
+    a, b, _ = _state(17, count=30)
+    header = split_patch(pulsediff.make_patch_bytes(a, b))
+    escaped = [t for t in header["tensors"] if t["op"] == "patch" and t["section"]["params"]["escapes"]]
+    sec = escaped[len(escaped) // 2]["section"]
+    body = bytearray(sec["__body__"])
+    body[-1] ^= 0x40  # the last escape's top byte
+    sec["__body__"] = bytes(body)
+    tensors, error = _apply(a, assemble(header), True, monkeypatch, "digests")
+    assert error is not None and "does not rebuild to its recorded hash" in error
+    assert tensors == {k: _bits(v) for k, v in a.items()}
