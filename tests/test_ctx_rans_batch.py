@@ -145,3 +145,39 @@ def test_a_batched_rebuild_that_misses_its_hash_is_refused_before_any_write(monk
     tensors, error = _apply(a, assemble(header), True, monkeypatch, "digests")
     assert error is not None and "does not rebuild to its recorded hash" in error
     assert tensors == {k: _bits(v) for k, v in a.items()}
+
+
+def test_section_layout_takes_and_refuses_what_its_checks_one_by_one_do():
+    """ctx_rans.section_layout's path of plain comparisons against the checks one by one, on
+    params near and far from valid: the same layout, or the same error."""
+    from pulsediff.codecs.base import SectionContext
+    from pulsediff.codecs.ctx_rans import _checked_layout, section_layout
+    from pulsediff.errors import CorruptPatchError
+
+    keys = ("count", "class_shift", "class_bits", "escapes", "table_bytes", "position_bytes", "frequency_bytes",
+            "value_bytes")
+    rng = random.Random(0)
+    odd = [-1, True, False, 1.0, "3", None, [1], 2 ** 70, 64, 13]
+    accepted = 0
+    for _ in range(20000):
+        ctx = SectionContext("t", rng.randint(0, 30), rng.choice([1, 2, 4, 8]), "s")
+        count = rng.randint(0, ctx.numel)
+        escapes = rng.randint(0, count)
+        lengths = [rng.randint(0, 9) for _ in range(4)]
+        params = dict(zip(keys, [count, rng.randint(0, 9), rng.randint(0, 8), escapes, *lengths]))
+        length = sum(lengths) + escapes * ctx.itemsize + rng.choice([0, 0, 0, 1, -1])
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            params[rng.choice(keys)] = rng.choice(odd + [rng.randint(0, 40)])
+        if rng.random() < 0.05:
+            del params[rng.choice(keys)]
+
+        def outcome(layout):
+            try:
+                return layout(params, ctx, length)
+            except CorruptPatchError as exc:
+                return str(exc)
+
+        got = outcome(section_layout)
+        assert got == outcome(_checked_layout), (params, ctx, length)
+        accepted += not isinstance(got, str)
+    assert 3000 < accepted < 17000

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pulsediff.io.strict_json import JsonError, loads, nesting_depth
 
-# Strings full of the characters the scan must see through: brackets, quotes, backslashes.
-tricky_text = st.text(alphabet='[]{}"\\ab\u00e9', max_size=8)
+# Strings full of the characters the scan must see through: brackets, colons, quotes, backslashes.
+tricky_text = st.text(alphabet='[]{}:"\\ab\u00e9', max_size=8)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | tricky_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(tricky_text, inner, max_size=4),
@@ -55,6 +55,41 @@ def test_scan_is_linear_with_escapes():
     t0 = time.perf_counter()
     assert nesting_depth(data) == 0
     assert time.perf_counter() - t0 < 5
+
+
+@given(json_values, st.booleans(), st.integers(0, 1000))
+def test_a_repeated_key_is_refused_at_any_depth(value, ascii_only, seed):
+    """Duplicates are found by counting keys against the colons outside strings: a key repeated
+    anywhere, among keys full of colons and quotes, is named; JSON without one parses as it is."""
+    import random
+
+    data = json.dumps(value, ensure_ascii=ascii_only)
+    assert loads(data.encode(), max_depth=64) == value
+    rng = random.Random(seed)
+    objects = [i for i, c in enumerate(data) if c == "{" and _outside_strings(data, i)]
+    if not objects:
+        return
+    at = rng.choice(objects) + 1
+    key = json.dumps(rng.choice(["a", "b:", '"}', "\\:"]), ensure_ascii=ascii_only)
+    twice = data[:at] + f"{key}: 1, {key}: 2" + ("," if data[at] != "}" else "") + data[at:]
+    with pytest.raises(JsonError, match="appears twice"):
+        loads(twice.encode(), max_depth=64)
+
+
+def _outside_strings(text: str, index: int) -> bool:
+    """Whether text[index] lies outside JSON string literals (a plain walk, as the parser reads)."""
+    in_string = escaped = False
+    for c in text[:index]:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+    return not in_string
 
 
 def test_container_bound():

@@ -102,7 +102,10 @@ def tree_hash(bits, backend=None, chunk: int | None = None) -> str:
     default, across its threads; kernels.cuda reads a device array in place). `chunk`: another
     chunk size, for tests."""
     if backend is None or backend.__name__.endswith(".cpu"):
-        return _tree_on_host(_raw(bits), chunk or TREE_CHUNK_BYTES, with_sum=False)[0]
+        raw, chunk = _raw(bits), chunk or TREE_CHUNK_BYTES
+        if raw.size <= chunk:  # one leaf or none: 2 us, where the threaded path's set-up costs 20-60
+            return tree_root(raw.size, xxhash.xxh3_128_digest(raw) if raw.size else b"")
+        return _tree_on_host(raw, chunk, with_sum=False)[0]
     return _root_of_rows(bits.nbytes, backend.chunk_digests(bits, chunk or TREE_CHUNK_BYTES))
 
 
@@ -200,19 +203,23 @@ class DigestScheme:
         return _tree_checks(bits) if self.tree else _flat_checks(bits)
 
     def digest(self, tensors: Iterable[TensorId]) -> str:
-        h = xxhash.xxh3_128()
-        for t in sorted(tensors, key=lambda t: t.name.encode("utf-8")):
-            name = t.name.encode("utf-8")
+        # One XXH3 over the entries' bytes joined (the same bytes as one update per field, a
+        # third of the time: a header of 18k tensors is checked against its digest on every read).
+        parts = []
+        for name, t in sorted(((t.name.encode("utf-8"), t) for t in tensors), key=_first):
             dtype = t.dtype.encode("ascii")
-            h.update(struct.pack("<I", len(name)) + name + struct.pack("<I", len(dtype)) + dtype)
-            h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
-            h.update(bytes.fromhex(t.hash))
-        return self.prefix + h.hexdigest()
+            parts += (len(name).to_bytes(4, "little"), name, len(dtype).to_bytes(4, "little"), dtype,
+                      struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape), bytes.fromhex(t.hash))
+        return self.prefix + xxhash.xxh3_128_hexdigest(b"".join(parts))
 
     @property
     def empty(self) -> str:
         """The digest of the checkpoint without tensors (an anchor's base)."""
         return self.digest([])
+
+
+def _first(pair):
+    return pair[0]
 
 
 TREE = DigestScheme("tree", "xxh3tree:")

@@ -8,6 +8,7 @@ the code can trust it. `to_json` is its exact inverse.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
@@ -17,6 +18,8 @@ from pulsediff.io.dtypes import DType, lookup
 from pulsediff.errors import CorruptPatchError, UnknownSchemeError
 from pulsediff.io.folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
 from pulsediff.format.container import MAX_NAME_BYTES, MAX_NDIM, MAX_SECTION_BYTES, MAX_TENSORS, SectionRef
+
+_CHECKSUM = re.compile("[0-9a-f]{16}")  # a section's XXH3-64, lowercase hex
 
 OPS = ("same", "patch", "full")  # copy the base tensor / decode against it / carried whole
 LAYOUT_KINDS = ("file", "dir")
@@ -185,7 +188,7 @@ class _Parser:
     def section(self, obj, where: str) -> SectionRef:
         sec = self.get(obj, "section", dict, where)
         checksum = self.get(sec, "xxh3", str, where + ".section")
-        if len(checksum) != 16 or not all(c in "0123456789abcdef" for c in checksum):
+        if _CHECKSUM.fullmatch(checksum) is None:
             raise self.fail(f"{where}.section.xxh3 is not a checksum")
         codec = self.get(sec, "codec", str, where + ".section")
         params = self.get(sec, "params", dict, where + ".section")
@@ -260,7 +263,7 @@ class _Parser:
         if dtype is None:
             raise self.fail(f"{where}.dtype is unknown")
         shape = self.get(obj, "shape", list, where)
-        if len(shape) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
+        if len(shape) > MAX_NDIM or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
             raise self.fail(f"{where}.shape is invalid")
         if math.prod(shape) * dtype.itemsize > MAX_SECTION_BYTES:
             raise self.fail(f"{where}.shape is implausibly large")

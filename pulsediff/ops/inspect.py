@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pulsediff.io.checkpoint import PRECISIONS, Checkpoint, TensorView
-from pulsediff.format.digest import DEFAULT_SCHEME, SCHEMES, DigestScheme, TensorId
+from pulsediff.format.digest import DEFAULT_SCHEME, SCHEMES, TREE_CHUNK_BYTES, DigestScheme, TensorId
 from pulsediff.errors import UsageError
 from pulsediff.runtime.progress import SILENT, Progress
 
@@ -36,7 +36,12 @@ def tensor_ids(view: TensorView, progress: Progress = SILENT, scheme: DigestSche
             continue
         ids[name] = TensorId(name, t.dtype.name, t.shape, scheme.tensor_hash(t.bits, gpu))
         progress.advance(ckpt.entry(name).nbytes)
-    names = on_host
+    small = TREE_CHUNK_BYTES // 2  # hashed here, one after another: a few us each, a thread handoff costs 20
+    for name in [n for n in on_host if ckpt.entry(n).nbytes <= small]:
+        t = view.get(name)
+        ids[name] = TensorId(name, t.dtype.name, t.shape, scheme.tensor_hash(t.bits))
+        progress.advance(ckpt.entry(name).nbytes)
+    names = [n for n in on_host if n not in ids]
     batch = num_threads()  # tensors hashed at once (XXH3 releases the GIL); casts keep a batch in memory
     for first in range(0, len(names), batch):
         tensors = [view.get(name) for name in names[first:first + batch]]
