@@ -18,7 +18,7 @@ MAX_DEPTH = 32  # our formats nest 5 levels at most; safetensors headers 3
 # A \u escape of a UTF-16 surrogate: the only way JSON text can spell one (the bytes are UTF-8).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _CHUNK = 1 << 18  # a chunk of quotes splits into ~50 bytes per byte: 13 MB at most
-_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b"[]{}:")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
 class JsonError(ValueError):
@@ -26,12 +26,7 @@ class JsonError(ValueError):
 
 
 def _containers(data: bytes) -> bytes:
-    """The brackets of `data` that lie outside string literals, in order."""
-    return _structure(data).translate(None, b":")
-
-
-def _structure(data: bytes) -> bytes:
-    """The brackets and colons of `data` that lie outside string literals, in order. Linear time, and memory
+    """The brackets of `data` that lie outside string literals, in order. Linear time, and memory
     within a small multiple of len(data): text of nothing but quotes (or backslashes) must not
     become one Python object per byte (64 MiB of quotes took 2.8 GB and 10 s), so the quotes split
     a chunk at a time.
@@ -48,7 +43,7 @@ def _structure(data: bytes) -> bytes:
     in_string = False
     for start in range(0, len(data), _CHUNK):
         parts = data[start:start + _CHUNK].split(b'"')
-        out.append(b"".join(parts[1 if in_string else 0::2]).translate(None, _NOT_STRUCTURE))
+        out.append(b"".join(parts[1 if in_string else 0::2]).translate(None, _NOT_BRACKETS))
         in_string ^= len(parts) % 2 == 0  # an odd number of quotes in the chunk
     return b"".join(out)
 
@@ -69,19 +64,6 @@ def nesting_depth(data: bytes) -> int:
     return _depth(_containers(data))
 
 
-def _keys(obj) -> int:
-    """How many keys the objects in a parsed value hold, all of them."""
-    count, stack = 0, [obj]
-    while stack:
-        value = stack.pop()
-        if type(value) is dict:
-            count += len(value)
-            stack += [v for v in value.values() if type(v) is dict or type(v) is list]
-        else:
-            stack += [v for v in value if type(v) is dict or type(v) is list]
-    return count
-
-
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
@@ -94,21 +76,13 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
 def loads(data: bytes, *, max_depth: int = MAX_DEPTH, max_containers: int | None = None) -> object:
     """Parse UTF-8 JSON that nests at most `max_depth` levels, holds at most `max_containers` arrays
     and objects (each costs ~20x its two bytes once parsed), and repeats no key; JsonError otherwise."""
-    structure = _structure(data)
-    brackets = structure.translate(None, b":")
+    brackets = _containers(data)
     if max_containers is not None and brackets.count(b"[") + brackets.count(b"{") > max_containers:
         raise JsonError(f"more than {max_containers} arrays and objects")
     if _depth(brackets) > max_depth:
         raise JsonError(f"nested deeper than {max_depth} levels")
     try:
-        text = data.decode("utf-8")
-        obj = json.loads(text)
-        # Outside strings a colon follows a key and nothing else: fewer keys parsed than colons
-        # means an object repeated a key (json kept the last). Parsed again to name it: a hook
-        # per object on every parse cost half the parse of a header of 18k tensors.
-        if type(obj) in (dict, list) and _keys(obj) != len(structure) - len(brackets):
-            json.loads(text, object_pairs_hook=_no_duplicates)
-            raise JsonError("keys and colons disagree")  # unreachable: the parse above names the key
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except UnicodeDecodeError:
         raise JsonError("not UTF-8") from None
     except JsonError:
