@@ -271,7 +271,9 @@ def test_memory_hints_leave_maps_whole_and_closable(tmp_path):
 
     from pulsediff.io import memory
 
-    data = np.random.default_rng(3).integers(0, 256, 5 * mmap.PAGESIZE + 123, dtype=np.uint8).tobytes()
+    # past POPULATE_MIN_BYTES, so that populate_read does call madvise
+    size = memory.POPULATE_MIN_BYTES + 5 * mmap.PAGESIZE + 123
+    data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8).tobytes()
     path = tmp_path / "f.bin"
     path.write_bytes(data)
     with open(path, "rb") as f:

@@ -20,7 +20,7 @@ import pulsediff.ops.rebuild as rebuild_mod
 from ckpt_factory import mutate, random_tensor, save
 from pulsediff import apply_patch, make_patch
 from pulsediff.ops.apply import apply_chain
-from pulsediff.codecs import get_codec
+from pulsediff.codecs import ctx_rans_batch, get_codec
 from pulsediff.codecs.base import SectionContext
 from pulsediff.io.dtypes import DTYPES
 from pulsediff.errors import CorruptPatchError
@@ -102,6 +102,8 @@ def test_a_damaged_tensor_rebuilt_side_by_side_writes_nothing_and_leaves_no_rebu
             running.remove(rec.name)
 
     monkeypatch.setattr(rebuild_mod, "rebuild_tensor", slow_or_failing)
+    # the per-tensor rebuilds side by side (batches of small ctx-rans tensors: test_ctx_rans_batch.py)
+    monkeypatch.setattr(ctx_rans_batch, "BATCH_MAX_NUMEL", -1)
     out = tmp_path / "out.safetensors"
     with pytest.raises(CorruptPatchError, match="forced"):
         apply_patch(old, patch, out, device="cpu")

@@ -83,9 +83,15 @@ def _advise(mapped: mmap.mmap, advice: int, start: int = 0, length: int | None =
         pass  # an older kernel: the pages fault in one at a time, as without the hint
 
 
+# Below this, a range is left to fault in: a few faults (the kernel maps 16 pages around each)
+# cost less than the madvise call, about 20 us from Python (18k expert tensors: 0.35 s).
+POPULATE_MIN_BYTES = 256 * 1024
+
+
 def populate_read(mapped: mmap.mmap | None, start: int, length: int) -> None:
-    """Map the pages of [start, start + length) of a read-only file mapping in one call."""
-    if mapped is None or length <= 0:
+    """Map the pages of [start, start + length) of a read-only file mapping in one call (a range of
+    less than POPULATE_MIN_BYTES faults in as it is read)."""
+    if mapped is None or length < POPULATE_MIN_BYTES:
         return
     aligned = start - start % mmap.PAGESIZE
     end = min(len(mapped), start + length)

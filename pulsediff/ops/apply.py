@@ -28,7 +28,7 @@ from pulsediff.errors import (BaseFileMismatchError, BaseMismatchError, ChainErr
                               refuse_existing, refuse_folder_for_file)
 from pulsediff.format.digest import TensorId
 from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
-from pulsediff.format.patch_file import Link, check_file_header, open_chain, read_layout
+from pulsediff.format.patch_file import Link, open_chain, read_layout
 from pulsediff.io.atomic import StagedFiles
 from pulsediff.io.checkpoint import INDEX_NAME, Checkpoint, TensorView, open_checkpoint
 from pulsediff.io.folder_files import file_hash, read_folder_file
@@ -460,13 +460,12 @@ class _TargetFiles:
 
     @classmethod
     def of_patch(cls, header: PatchHeader, blob: bytes | None, source: str) -> "_TargetFiles":
-        """The patch's own layout (with `blob` None: names only, for cleaning up after in-place)."""
+        """The patch's own layout from `blob`, as read_layout returned it, which checked each file's
+        header against its tensors (with `blob` None: names only, for cleaning up after in-place)."""
         files, pos, first = [], 0, 0
         for lf in header.layout.files:
             records = header.tensors[first : first + lf.tensors]
             raw = blob[pos : pos + lf.header_len] if blob is not None else b""
-            if blob is not None:
-                check_file_header(raw, records, lf.name, source)
             files.append((lf.name, raw, records))
             pos, first = pos + lf.header_len, first + lf.tensors
         index = None
@@ -598,6 +597,8 @@ class _SideBySide:
         if queued.name != rec.name:
             raise AssertionError(f"tensors taken out of order: {rec.name!r} asked, {queued.name!r} next")
         self._top_up()  # the next ones start before this one is waited for
+        if isinstance(item, _InBatch):  # a slice of the batch's buffer (_Span writes neighbours in one go)
+            return item.future.result()[item.index], _nothing
         if isinstance(item, tuple):
             future, scratch = item
             return future.result(), lambda: self._free.append(scratch)
@@ -609,12 +610,46 @@ class _SideBySide:
         rec = self._records[self._next]
         self._next += 1
         item = self._prepare(rec)
+        if self._ahead and _BatchedRebuilds.takes(item):  # it and the small ones after it: one call
+            self._prepare_batch(rec, item)
+            return
+        self._queue.append((rec, self._started(item)))
+
+    def _started(self, item):
+        """A small Rebuild started on a worker thread, into a Scratch of its own; else as it is."""
         if self._ahead and isinstance(item, Rebuild) and item.numel <= rebuild.WINDOW_ELEMENTS and self._free:
             from pulsediff.kernels.threads import pool
 
             scratch = self._free.popleft()
-            item = (pool().submit(item.run, scratch, True), scratch)
-        self._queue.append((rec, item))
+            return pool().submit(item.run, scratch, True), scratch
+        return item
+
+    def _prepare_batch(self, rec: TensorRecord, item: Rebuild) -> None:
+        """`item` and the records after it while they are small ctx-rans rebuilds of its width,
+        up to a batch's elements, rebuilt by one batch on a worker thread."""
+        from pulsediff.codecs.ctx_rans_batch import BATCH_ELEMENTS
+        from pulsediff.kernels.threads import pool
+
+        batch = _BatchedRebuilds(item)
+        taken = [rec]
+        while self._next < len(self._records) and batch.elements < BATCH_ELEMENTS:
+            following = self._records[self._next]
+            if not batch.fits(following):
+                break
+            self._next += 1
+            nxt = self._prepare(following)  # its sections are read now, in order, whatever it is
+            if batch.takes(nxt) and nxt.base_bits.dtype == batch.dtype:
+                batch.add(nxt)
+                taken.append(following)
+                continue
+            self._queue_batch(batch, taken, pool)
+            self._queue.append((following, self._started(nxt)))  # not one of them: on its own
+            return
+        self._queue_batch(batch, taken, pool)
+
+    def _queue_batch(self, batch: "_BatchedRebuilds", records: list, pool) -> None:
+        future = pool().submit(batch.run)
+        self._queue.extend((rec, _InBatch(future, k)) for k, rec in enumerate(records))
 
     def _top_up(self) -> None:
         # At most `ahead` prepared: each holds its sections in memory, and a Windows its patch's share.
@@ -626,6 +661,7 @@ class _SideBySide:
         from concurrent.futures import wait
 
         futures = [item[0] for _, item in self._queue if isinstance(item, tuple)]
+        futures += list({item.future for _, item in self._queue if isinstance(item, _InBatch)})
         for future in futures:
             future.cancel()
         while futures:
@@ -635,6 +671,100 @@ class _SideBySide:
             except BaseException:  # noqa: BLE001 - even a second Ctrl-C waits: the base unmaps next
                 pass
         self._queue.clear()
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class _InBatch:
+    """A tensor rebuilt by a batch: the batch's future (its rebuilt tensors, slices of one buffer
+    back to back in record order) and its place among them."""
+
+    future: object
+    index: int
+
+
+class _BatchedRebuilds:
+    """Consecutive small tensors of one width, each a ctx-rans section decoded onto its base, rebuilt
+    on copies of their bases by one ctx_rans_batch call (file apply's many-small-tensors path: an
+    MoE checkpoint's 18k experts cost a future, a scratch and a dozen kernel calls each). Each
+    rebuilt tensor is checked against its hash, and its base by `base_check`, as Rebuild.run does."""
+
+    def __init__(self, first: Rebuild):
+        self.items: list[Rebuild] = [first]
+        self.dtype = first.base_bits.dtype
+        self.elements = first.numel
+
+    @staticmethod
+    def takes(item) -> bool:
+        from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL
+
+        if not isinstance(item, Rebuild) or len(item.steps) != 1 or item.base_bits is None:
+            return False
+        rec, payload, _ = item.steps[0]
+        return rec.op == "patch" and payload is not None and rec.section.codec == "ctx-rans" \
+            and rec.numel <= BATCH_MAX_NUMEL and item.base_bits.dtype.itemsize == rec.dtype.itemsize
+
+    def fits(self, rec: TensorRecord) -> bool:
+        """Whether a record could join (decided before its sections are read, which costs nothing)."""
+        from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL
+
+        return rec.op == "patch" and rec.numel <= BATCH_MAX_NUMEL and rec.dtype.bits_dtype == self.dtype
+
+    def add(self, item: Rebuild) -> None:
+        self.items.append(item)
+        self.elements += item.numel
+
+    def run(self) -> list:
+        from pulsediff.codecs.ctx_rans_batch import Batch
+        from pulsediff.ops.rebuild import _check_base_size
+
+        out = np.empty(self.elements, self.dtype)
+        batch, copies, at = Batch(self.dtype), [], 0
+        for item in self.items:
+            rec, payload, source = item.steps[0]
+            _check_base_size(rec, item.base_bits, source)
+            copy = out[at:at + item.numel]
+            copy[...] = item.base_bits
+            at += item.numel
+            batch.add(rec.name, copy, payload, rec.section.params,
+                      SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source))
+            copies.append(copy)
+        result = batch.run()
+        for k in range(result.done):  # each as Rebuild.run checks it: its target hash, then its base
+            item = self.items[k]
+            rec, _, source = item.steps[0]
+            if rec.scheme.tensor_hash(copies[k]) != rec.target_hash:
+                raise CorruptPatchError(source, f"tensor {rec.name!r} does not rebuild to its recorded hash")
+            if item.base_check is not None:
+                item.base_check.whole(rec, item.base_bits)
+        error = result.error()
+        if error is not None:
+            raise error
+        return copies
+
+
+class _Span:
+    """Tensors that lie back to back in one buffer (a batch's), written by one call when the next
+    one does not follow them or the file ends: 18k expert tensors were 18k writes."""
+
+    def __init__(self, writer: "_PipelinedWriter"):
+        self.writer, self.buffer, self.lo, self.hi = writer, None, 0, 0
+
+    def add(self, f, bits: np.ndarray) -> None:
+        buffer = bits.base
+        start = bits.__array_interface__["data"][0] - buffer.__array_interface__["data"][0]
+        if buffer is not self.buffer or start != self.hi:
+            self.flush(f)
+            self.buffer, self.lo = buffer, start
+        self.hi = start + bits.nbytes
+
+    def flush(self, f) -> None:
+        if self.buffer is not None:
+            self.writer.put(f, memoryview(self.buffer.view(np.uint8)[self.lo:self.hi]))
+            self.buffer = None
 
 
 def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files: FolderFileSources, out_path: Path,
@@ -658,8 +788,15 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
                     try:
                         f.write(len(raw).to_bytes(8, "little"))
                         f.write(raw)
+                        span = _Span(writer)
                         for rec in records:
                             bits, release = tensors.take(rec)
+                            if release is _nothing:  # a batch's slice: its bytes join the span
+                                span.add(f, bits)
+                                rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
+                                progress.advance(rec.nbytes)
+                                continue
+                            span.flush(f)
                             if isinstance(bits, Windows):
                                 for part in bits.parts:
                                     writer.put(f, memoryview(part).cast("B"), bits.hasher)
@@ -672,6 +809,7 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
                                 release()
                             rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
                             progress.advance(rec.nbytes)
+                        span.flush(f)
                         writer.drain()  # the file closes next
                     except BaseException:
                         writer.abandon()  # no write may still be in flight when the file closes
