@@ -4,6 +4,7 @@ into host tensors, alternating in one process with torch's `index_copy_` of the 
 int64 indices and BF16 values; medians, the ratio, and the break-even link speed.
 
     python scripts/bench_live_apply.py [--cases model moe qwen2] [--rounds 5] [--moe-tensors 18432]
+    python scripts/bench_live_apply.py --save-moe DIR    # the moe pair as files, for bench_core.py
 
 Cases (issue 45, 5a-5c):
 - model: a real small model's RL step: pulsediff.example's Llama-shaped decoder, pretrained
@@ -125,7 +126,18 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--moe-tensors", type=int, default=18432)
     parser.add_argument("--layers", type=int, default=16, help="qwen2: layers (16: 0.98 GB)")
+    parser.add_argument("--save-moe", type=Path, metavar="DIR",
+                        help="write the moe case's pair as DIR/old.safetensors and DIR/new.safetensors (for "
+                             "scripts/bench_core.py: the CLI against cat and cp) and exit")
     args = parser.parse_args(argv)
+    if args.save_moe:
+        from safetensors.torch import save_file
+
+        args.save_moe.mkdir(parents=True, exist_ok=True)
+        for name, tensors in zip(("old", "new"), moe_case(args.moe_tensors)):
+            save_file(tensors, str(args.save_moe / f"{name}.safetensors"), metadata={"format": "pt"})
+        print(args.save_moe / "old.safetensors", args.save_moe / "new.safetensors")
+        return 0
     from bench import machine, machine_line
 
     print(machine_line(machine()))

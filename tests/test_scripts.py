@@ -119,3 +119,19 @@ def test_bench_entropy_times_both_codecs_side_by_side():
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(f"| {ROOT} |")]
     assert [r[2].strip() for r in rows] == ["ctx-rans", "ctx-ac"]
     assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)
+
+
+def test_bench_live_apply_reports_ratio_and_break_even(tmp_path):
+    """Issue 45's harness on a tiny MoE-shaped state dict: its row has the ratios to index_copy_ and
+    B* for both checks (the script exits non-zero if an apply is not bit for bit); --save-moe
+    writes the pair as files for bench_core.py."""
+    script = str(SCRIPTS / "bench_live_apply.py")
+    proc = subprocess.run([sys.executable, script, "--cases", "moe", "--moe-tensors", "40", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("moe "))
+    assert row.split()[1] == "40" and row.count("x ") == 2 and row.count("Gb/s") == 2, proc.stdout
+    proc = subprocess.run([sys.executable, script, "--moe-tensors", "40", "--save-moe", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "old.safetensors").stat().st_size == (tmp_path / "new.safetensors").stat().st_size > 40 * 32768

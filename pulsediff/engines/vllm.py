@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,7 +126,10 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         return PulsediffInitInfo()
 
     def init_transfer_engine(self, init_info: PulsediffInitInfo) -> None:
-        self.host_state()  # read the checkpoint now rather than on the first update's critical path
+        state = self.host_state()  # read the checkpoint now rather than on the first update's critical path
+        # ...and load the kernels an update runs, beside the serving engine: a first update otherwise
+        # spends seconds in first calls (issue 45). An update that comes sooner waits for what it needs.
+        threading.Thread(target=_warm_up, args=(state,), name="pulsediff-warm-up", daemon=True).start()
 
     def start_weight_update(self) -> None:
         """Nothing: the engine is touched only after update_weights has verified everything."""
@@ -348,6 +352,13 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                 on_device = [p._replace(values=p.values.to(self.device), indices=None if p.indices is None
                                         else p.indices.to(self.device)) for p in batch]
                 load_checkpoint_weight_patches(self.model, on_device, max_chunk_bytes=STAGING_BYTES)
+
+
+def _warm_up(state: HostState) -> None:
+    try:
+        logger.info("pulsediff: update kernels loaded in %.2f s", state.warm_up())
+    except Exception as exc:  # noqa: BLE001 - a warm-up only saves time: the updates load what they need
+        logger.warning("pulsediff: the update kernels were not loaded ahead (%s: %s)", type(exc).__name__, exc)
 
 
 def _typed(update_dict) -> PulsediffUpdateInfo:
