@@ -125,7 +125,7 @@ def measure(elements: int, density: float, seed: int, codec_id: str = "ctx-rans"
     payload = b"".join(enc.parts)
     ctx = SectionContext("t", elements, 2, "bench")
     assert (codec.decode(base, payload, enc.params, ctx, kernels, Scratch()) == target).all()
-    from pulsediff.codecs import entropy
+    from pulsediff.kernels import entropy
 
     count, shift, mask, n_escapes, (table, pos_bytes, freq_bytes, rans_bytes, esc_bytes) = ctx_rans._split(
         payload, enc.params, ctx)

@@ -236,7 +236,7 @@ def run_cases(args, corpus_root: Path, work_root: Path) -> dict:
 
 CHILD = """
 import sys
-import pulsediff.ops.apply, pulsediff.kernels.cpu, pulsediff.codecs.ctx_rans, pulsediff.codecs.entropy  # imports first
+import pulsediff.ops.apply, pulsediff.kernels.cpu, pulsediff.codecs.ctx_rans, pulsediff.kernels.entropy  # imports first
 from pulsediff import apply_patch
 mode, base, patch, out = sys.argv[1:5]
 print("go", flush=True)

@@ -75,11 +75,27 @@ def test_batches_fill_and_close_across_widths(monkeypatch):
 
 
 def test_word_sums_of_equals_the_kernels_word_sum():
+    from pulsediff.kernels import cpu_batch
     from pulsediff.kernels.cpu import word_sum
 
     rng = np.random.default_rng(3)
     arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 7, 8, 9, 15, 16, 17, 1000, 4097)]
-    assert ctx_rans_batch.word_sums_of(arrays) == [word_sum(x) for x in arrays]
+    arrays += [rng.integers(0, 1 << 16, n, dtype=np.uint16) for n in (1, 3, 5, 333)]
+    assert ctx_rans_batch.word_sums_of(arrays, cpu_batch) == [word_sum(x) for x in arrays]
+
+
+def test_the_codec_reads_the_kernels_statuses_and_columns_as_they_are():
+    """The codec side keeps its own copy of the kernel's status numbers and meta columns (a codec
+    imports no backend): the two must agree name for name."""
+    from pulsediff.kernels import cpu_batch
+
+    names = [n for n in vars(cpu_batch) if n.isupper() and isinstance(getattr(cpu_batch, n), int)]
+    shared = [n for n in names if hasattr(ctx_rans_batch, n)]
+    assert {"OK", "TARGET_SUM", "NOT_FOUND", "META_COLUMNS", "M_UNDO", "M_COUNT"} <= set(shared)
+    assert all(getattr(ctx_rans_batch, n) == getattr(cpu_batch, n) for n in shared)
+    statuses = [n for n in names if not n.startswith("M") and n != "OK"]
+    assert sorted(getattr(cpu_batch, n) for n in statuses) == sorted(ctx_rans_batch._MESSAGES) + \
+        [ctx_rans_batch.TARGET_SUM]
 
 
 def _damaged(patch: bytes, rng: random.Random) -> bytes:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pulsediff.codecs import entropy
+from pulsediff.kernels import entropy
 from pulsediff.kernels import cpu
 
 from reference import apply_ranked_ref, chunk_class_starts_ref, class_ranks_ref, diff_ranks_ref

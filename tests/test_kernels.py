@@ -564,3 +564,53 @@ def test_add_at_summed_matches_add_at_and_the_word_sums(dtype):
         np.testing.assert_array_equal(old, want_old)
         assert bad == want_bad
         assert change == (cpu.word_sum(got) - cpu.word_sum(base)) % (1 << 64)
+
+
+@pytest.mark.parametrize("dtype,shift,mask", [(np.uint16, 7, 255), (np.uint32, 23, 255), (np.uint64, 52, 2047),
+                                              (np.uint8, 3, 15), (np.uint16, 0, 0)])
+def test_locate_add_summed_writes_what_the_reference_locates_and_adds(dtype, shift, mask, monkeypatch):
+    """The walk that writes as it finds (one read for locate, add and the sum after) against the
+    references: positions where ranked_positions_ref puts them, the tensor as add_at_ref leaves
+    it, the old values, the class sizes, and a sum change of word_sum(after) - word_sum(before),
+    across many word-aligned ranges (chunks shrunk); on hostile ranks it finds fewer, and what
+    it found it wrote where it lies. Both forms: ranges on the threads, and one walk on a worker."""
+    from reference import add_at_ref, classes_ref, diff_ranks_ref, ranked_positions_ref
+    from test_class_sort import class_major, few_classes
+
+    import contextlib
+
+    from pulsediff.kernels import cpu, threads
+
+    monkeypatch.setattr(cpu, "_MIN_CHUNK", 8)  # many ranges even on small tensors
+    rng = np.random.default_rng(int(np.dtype(dtype).itemsize * 10 + shift))
+    width = np.dtype(dtype).itemsize * 8
+    for n in (1, 37, 5001):
+        base = few_classes(rng, n, dtype, shift, mask)
+        new = base.copy()
+        pick = rng.random(n) < 0.2
+        pick[rng.integers(0, n)] = True
+        new[pick] = rng.integers(0, 1 << min(width, 63), int(pick.sum()), dtype=np.uint64).astype(dtype)
+        _, classes, ranks, _ = diff_ranks_ref(base, new, shift, mask)
+        offsets, ranks_cm = class_major(classes, ranks, mask)
+        true_sizes = np.bincount(classes_ref(base, shift, mask), minlength=mask + 1)
+        deltas = rng.integers(0, 1 << min(width, 62), ranks_cm.size, dtype=np.uint64).astype(dtype)
+        hostile = ranks_cm.copy()
+        hostile[-1] = true_sizes[int(np.searchsorted(offsets, hostile.size - 1, side="right") - 1)] + 2
+        for case, alone in [(ranks_cm, False), (hostile, False), (ranks_cm, True), (hostile, True)]:
+            got = base.copy()
+            where = np.full(case.size, -1, np.int64)
+            old = np.zeros(case.size, dtype)
+            with threads.inline() if alone else contextlib.nullcontext():  # one walk, or ranges on threads
+                found, change, sizes = cpu.locate_add_summed(got, shift, mask, offsets, case, deltas, where, old)
+            np.testing.assert_array_equal(sizes, true_sizes)
+            assert change == (cpu.word_sum(got) - cpu.word_sum(base)) % (1 << 64)
+            hit = where >= 0
+            np.testing.assert_array_equal(old[hit], base[where[hit]])
+            want = base.copy()
+            add_at_ref(want, where[hit], deltas[hit])
+            np.testing.assert_array_equal(got, want)
+            if case is ranks_cm:
+                np.testing.assert_array_equal(where, ranked_positions_ref(base, shift, mask, offsets, case)[0])
+                assert found == case.size
+            else:
+                assert found < case.size and found == int(hit.sum())

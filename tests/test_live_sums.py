@@ -441,9 +441,13 @@ def test_sums_of_tensors_that_could_not_be_put_back_are_forgotten(monkeypatch):
             raise KeyboardInterrupt  # after the write, before its old values are returned
         return write
 
-    # A batch (codecs/ctx_rans_batch.py) returns its old values with its writes, all or nothing:
-    # only the per-section path's writes can be interrupted in between.
+    # A batch (codecs/ctx_rans_batch.py) returns its old values with its writes, all or nothing, and
+    # the CPU's walk that writes as it finds (CtxRans.add_in_place) fills them as it writes: only
+    # locate, then add_at (the GPU's way) can be interrupted in between.
+    from pulsediff.codecs.ctx_rans import CtxRans
+
     monkeypatch.setattr(ctx_rans_batch, "BATCH_MAX_NUMEL", -1)
+    monkeypatch.delattr(CtxRans, "add_in_place")
     monkeypatch.setattr(cpu, "add_at", interrupted(cpu.add_at))
     monkeypatch.setattr(cpu, "add_at_summed", interrupted(cpu.add_at_summed))
     pulsediff.apply_to_state_dict(_clone(old), pulsediff.make_patch_bytes(old, old), check="sums", sums=sums)

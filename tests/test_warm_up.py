@@ -1,4 +1,4 @@
-"""live.warm_up: after it, a first apply of the dtypes it was given loads no kernel (no Numba
+"""ops.warm.warm_up: after it, a first apply of the dtypes it was given loads no kernel (no Numba
 dispatcher gains a signature), so a server's first update costs what its next ones do."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ def test_after_warm_up_a_first_apply_loads_no_kernel():
     code = textwrap.dedent("""
         import sys, numpy as np, torch, numba
         import pulsediff
-        from pulsediff.ops import live
-        import pulsediff.codecs.ctx_rans_batch, pulsediff.kernels.cpu, pulsediff.codecs.entropy
+        from pulsediff.ops.warm import warm_up
+        import pulsediff.kernels.cpu_batch, pulsediff.kernels.cpu, pulsediff.kernels.entropy
 
         def loaded():
             out = {}
@@ -24,9 +24,9 @@ def test_after_warm_up_a_first_apply_loads_no_kernel():
                             out[f"{name}.{attr}"] = len(obj.signatures)
             return out
 
-        live.warm_up([torch.bfloat16, torch.float32, torch.float16])
+        warm_up([torch.bfloat16, torch.float32, torch.float16])
         before = loaded()
-        assert before["pulsediff.codecs.ctx_rans_batch.apply_batch"] >= 2, before
+        assert before["pulsediff.kernels.cpu_batch.apply_batch"] >= 2, before
         rng = np.random.default_rng(0)
         old = {f"e{i}": torch.from_numpy(rng.normal(0, 0.02, (64, 48)).astype(np.float32)).bfloat16()
                for i in range(30)}

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pulsediff.codecs.entropy import OK, OUT_OF_RANGE, TRUNCATED, flush_bytes, refill
+from pulsediff.kernels.entropy import OK, OUT_OF_RANGE, TRUNCATED, flush_bytes, refill
 
 PROB_BITS = 12
 TOP = 1 << 24

@@ -26,7 +26,8 @@ from concurrent.futures import wait
 import numpy as np
 
 from pulsediff.errors import CorruptPatchError
-from pulsediff.codecs import adaptive, entropy
+from pulsediff.codecs import adaptive
+from pulsediff.kernels import entropy
 from pulsediff.codecs.base import Encoded, SectionContext, parse_uint, uint_param
 from pulsediff.codecs.ctx_rans import (CtxRans, class_major, Entries, rice_parameters, values_executor,
                                        class_params)

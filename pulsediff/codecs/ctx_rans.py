@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit
 
 from pulsediff.errors import CorruptPatchError
-from pulsediff.codecs import entropy
+from pulsediff.kernels import entropy
 from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, to_host, uint_param
 
 # (shift, bits) of the exponent field: the class of a base element.
@@ -383,6 +383,24 @@ class CtxRans(Codec):
         if found != entries.count:
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         return where, entries.deltas
+
+    def add_in_place(self, base, entries: "Entries", ctx: SectionContext, kernels: ModuleType, where, old) -> int:
+        """Write the decoded entries (decode_changes) into `base` in place with the walk that finds
+        them (kernels.locate_add_summed: one read of the tensor, where locate, add_at and a word sum
+        take three); their positions go to `where` (filled with -1) and old values to `old`.
+        Returns the change of base's word sum. On a failed check the entries written are put back
+        first, so the tensor is as it was."""
+        found, change, sizes = kernels.locate_add_summed(base, entries.shift, entries.mask, entries.offsets,
+                                                         entries.ranks, entries.deltas, where, old)
+        try:
+            entries.check_classes(sizes, ctx)
+            if found != entries.count:
+                raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
+        except CorruptPatchError:
+            written = where >= 0
+            kernels.scatter(base, where[written], old[written])
+            raise
+        return change
 
     def decode_stream(self, parts, payload, params, ctx: SectionContext, kernels: ModuleType, scratch: Scratch):
         """The target bits as consecutive windows, one per window of the base taken from `parts`

@@ -86,8 +86,8 @@ class HostState:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def warm_up(self) -> float:
-        """Load the kernels an update of these tensors runs (ops.live.warm_up); the seconds it took."""
-        from pulsediff.ops.live import warm_up
+        """Load the kernels an update of these tensors runs (ops.warm.warm_up); the seconds it took."""
+        from pulsediff.ops.warm import warm_up
 
         return warm_up({t.dtype for t in self.tensors.values()}, check=CHECK)
 

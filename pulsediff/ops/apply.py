@@ -719,20 +719,22 @@ class _BatchedRebuilds:
 
     def run(self) -> list:
         from pulsediff.codecs.ctx_rans_batch import Batch
-        from pulsediff.ops.rebuild import _check_base_size
+        from pulsediff.ops.rebuild import check_base_size
 
         out = np.empty(self.elements, self.dtype)
         batch, copies, at = Batch(self.dtype), [], 0
         for item in self.items:
             rec, payload, source = item.steps[0]
-            _check_base_size(rec, item.base_bits, source)
+            check_base_size(rec, item.base_bits, source)
             copy = out[at:at + item.numel]
             copy[...] = item.base_bits
             at += item.numel
             batch.add(rec.name, copy, payload, rec.section.params,
                       SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source))
             copies.append(copy)
-        result = batch.run()
+        from pulsediff.kernels import cpu_batch
+
+        result = batch.run(cpu_batch)
         for k in range(result.done):  # each as Rebuild.run checks it: its target hash, then its base
             item = self.items[k]
             rec, _, source = item.steps[0]

@@ -286,36 +286,6 @@ def collector_paused():
             gc.enable()
 
 
-def warm_up(dtypes=None, check: str = "prefer-sums") -> float:
-    """Load every kernel an apply_to_state_dict of tensors of these torch dtypes (default: BF16 and
-    F32) will call, from Numba's cache or by compiling them: a server calls it when it starts, so
-    that its first update costs what its tenth does (a 1 GB engine's first update spent 2.7 s of
-    its 3.4 s in first calls). Kernels are typed by element width, so one dtype per width is run:
-    a small patch of a small and a large tensor, with `check` as the real applies will take it.
-    Returns the seconds it took."""
-    import time
-
-    import torch
-
-    from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL
-    from pulsediff.ops.make import make_patch_bytes
-
-    start = time.perf_counter()
-    widths = sorted({torch.empty(0, dtype=d).element_size() for d in (dtypes or (torch.bfloat16, torch.float32))})
-    gen = torch.Generator().manual_seed(0)
-    old, new = {}, {}
-    for width in widths:
-        dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[width]
-        # one batched; two placed on their own, by one unit (deltas of a byte) and by many (escapes)
-        for k, (size, step) in enumerate([(64, 1), (BATCH_MAX_NUMEL + 64, 1), (BATCH_MAX_NUMEL + 64, 1000)]):
-            bits = torch.randint(0, 100, (size,), generator=gen).to(_same_width_int(width))
-            changed = bits.clone()
-            changed[::50] += step
-            old[f"warm.{width}.{k}"], new[f"warm.{width}.{k}"] = bits.view(dtype), changed.view(dtype)
-    apply_to_state_dict(old, make_patch_bytes(old, new), check=check)
-    return time.perf_counter() - start
-
-
 def _written_positions(undo: list) -> dict:
     """name -> the positions written (host int64, each once, in no particular order), or None for a
     tensor written whole, from the undo log of a successful apply."""
@@ -466,9 +436,9 @@ class _RebuiltInBatches:
     def add(self, rec, base: np.ndarray, payload: bytes) -> None:
         from pulsediff.codecs.base import SectionContext
         from pulsediff.codecs.ctx_rans_batch import BATCH_ELEMENTS, Batch
-        from pulsediff.ops.rebuild import _check_base_size
+        from pulsediff.ops.rebuild import check_base_size
 
-        _check_base_size(rec, base, self.source)
+        check_base_size(rec, base, self.source)
         if self.batch is not None and (self.batch.dtype != base.dtype or self.batch.elements >= BATCH_ELEMENTS):
             self.closed.append(self.batch)
             self.batch = None
@@ -490,7 +460,9 @@ class _RebuiltInBatches:
         from pulsediff.kernels.threads import parallel_map
 
         batches, self.closed = self.closed, []
-        for result in parallel_map(lambda batch: batch.run(), [(b,) for b in batches]):
+        from pulsediff.kernels import cpu_batch
+
+        for result in parallel_map(lambda batch: batch.run(cpu_batch), [(b,) for b in batches]):
             for name, new, positions, old, _, _ in result.applied():
                 rec = self.records.pop(name)
                 if rec.scheme.tensor_hash(new) != rec.target_hash:
@@ -635,9 +607,22 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
         after = None  # the word sum once written, where the writes tell it
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
         codec = get_codec(rec.section.codec)
-        located = codec.locate(view, payload, rec.section.params, ctx, kernels, scratch, decoded) \
-            if rec.op == "patch" else None
-        if located is not None:
+        if rec.op == "patch" and hasattr(codec, "add_in_place") and hasattr(kernels, "locate_add_summed"):
+            # the CPU's walk writes what it finds and sums the words it writes: one read, not three
+            entries = decoded if decoded is not None else codec.decode_changes(payload, rec.section.params, ctx)
+            where = np.full(entries.count, -1, np.int64)
+            old = np.zeros(entries.count, view.dtype)
+            entry = _Undo(rec.name, view, where)
+            undo.append(entry)
+            try:
+                change = codec.add_in_place(view, entries, ctx, kernels, where, old)
+            finally:  # whatever was written, even when interrupted, is in the undo log
+                written = where >= 0
+                entry.positions, entry.old = where[written], old[written]
+            after = (sums[rec.name] + change) & 0xFFFFFFFFFFFFFFFF
+            count = rec.changed
+        elif rec.op == "patch" and (located := codec.locate(view, payload, rec.section.params, ctx, kernels,
+                                                            scratch, decoded)) is not None:
             positions, deltas = located
             count = rec.changed
             entry = _Undo(rec.name, view, positions)
@@ -717,11 +702,12 @@ def _word_sums(views: Mapping, names: list, known: Mapping) -> dict:
     """name -> word sum of each view: from `known` where it has one, small host arrays in one
     kernel call (ctx_rans_batch.word_sums_of), the rest where they live."""
     from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL, word_sums_of
+    from pulsediff.kernels import cpu_batch
 
     sums = {name: known[name] for name in names if name in known}
     small = [name for name in names if name not in sums and isinstance(views[name], np.ndarray)
              and views[name].size <= BATCH_MAX_NUMEL]
-    sums.update(zip(small, word_sums_of([views[name] for name in small])))
+    sums.update(zip(small, word_sums_of([views[name] for name in small], cpu_batch)))
     for name in names:
         if name not in sums:
             sums[name] = _kernels_for(views[name]).word_sum(views[name])
@@ -754,7 +740,9 @@ def _run_unit(unit, place, scratch, alone: bool = False):
     from pulsediff.codecs.ctx_rans_batch import Batch
 
     if isinstance(unit, Batch):
-        result = unit.run()
+        from pulsediff.kernels import cpu_batch
+
+        result = unit.run(cpu_batch)
         logged, placed = [], []
         for name, view, positions, old, after, count in result.applied():
             logged.append(_Undo(name, view, positions, old))

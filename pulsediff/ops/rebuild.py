@@ -190,7 +190,7 @@ def hash_checked(parts, rec: TensorRecord, source: str):
     windows.check()
 
 
-def _check_base_size(rec: TensorRecord, base_bits: np.ndarray, source: str) -> None:
+def check_base_size(rec: TensorRecord, base_bits: np.ndarray, source: str) -> None:
     """A patched tensor's base must have the element count and width its record says."""
     if (base_bits.size, base_bits.dtype.itemsize) != (rec.numel, rec.dtype.itemsize):
         raise CorruptPatchError(source, f"tensor {rec.name!r}: base has {base_bits.size} elements of "
@@ -212,7 +212,7 @@ def rebuild_tensor(rec: TensorRecord, payload: bytes | None, base_bits: np.ndarr
     else:
         codec = get_codec(rec.section.codec)
         if base_bits is not None and rec.op == "patch":
-            _check_base_size(rec, base_bits, source)
+            check_base_size(rec, base_bits, source)
         ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
         decode = codec.decode_alone if alone else codec.decode
         bits = decode(base_bits if rec.op == "patch" else None, payload, rec.section.params, ctx, backend, scratch)
@@ -232,7 +232,7 @@ def rebuild_windows(rec: TensorRecord, payload: bytes, base_bits: np.ndarray, ba
     """One patched tensor as consecutive windows (codec.decode_stream); its hash is checked by
     whoever consumes them (`Windows.hasher`), since it is known only after the last one. The
     base's, with `base_check`, is checked before that."""
-    _check_base_size(rec, base_bits, source)
+    check_base_size(rec, base_bits, source)
     ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source)
     codec = get_codec(rec.section.codec)
     return Windows(rec, source, codec.decode_stream(base_windows(base_bits, rec, base_check), payload,
