@@ -854,3 +854,20 @@ def test_bench_gpu_tiny_runs_under_the_simulator():
                 "apply_to_state_dict` end to end"):
         assert row in out, row
     assert "kernel results bit for bit: yes" in out and "patched tensors bit for bit: yes" in out
+
+
+@pytest.mark.parametrize("tiles,slots", [(1, 1), (5, 3), (1000, 17), (0, 4)])
+def test_tile_scan_is_the_column_exclusive_scan(tiles, slots):
+    """The GPU path's scan of the (tile, class) count table (torch, along the innermost dimension
+    of its transpose), run here on torch CPU tensors: each entry becomes its column's sum above
+    it, and the totals come back; against NumPy's cumsum."""
+    import torch
+
+    from pulsediff.kernels.cuda import exclusive_scan_tiles
+
+    rng = np.random.default_rng(tiles + slots)
+    counts = rng.integers(0, 4097, (tiles, slots), dtype=np.int64)
+    table = torch.from_numpy(counts.copy())
+    totals = exclusive_scan_tiles(table)
+    np.testing.assert_array_equal(totals.numpy(), counts.sum(axis=0))
+    np.testing.assert_array_equal(table.numpy(), np.cumsum(counts, axis=0) - counts)

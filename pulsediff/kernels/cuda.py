@@ -1275,13 +1275,27 @@ def _settle_found(ranks, class_lo, where, found):
 def _scan_tile_counts(counts, nlisted: int):
     """In place: counts[tile, slot] -> the listed class's elements before the tile; returns the
     listed classes' sizes (host). torch's cumsum (CUB's scan) on a real GPU: the column scan
-    kernel above takes 8 columns per block, too few blocks for a table of every tile's counts."""
+    kernel above takes 8 columns per block, too few blocks for a table of every tile's counts.
+    The scan runs along the innermost dimension of the transposed table: torch scans an outer
+    dimension with one thread per column walking every row (a few dozen threads for the whole
+    table), the innermost one with a block per row (issue 45; not yet timed on a GPU). Bytes:
+    the table read and written twice more by the transposes, 16 bytes per tile and class."""
     if _sort_on_gpu(counts):
-        table = _torch_of(counts).view(counts.shape)
-        sizes = table.sum(0)
-        table.copy_(table.cumsum(0) - table)
-        return sizes.cpu().numpy()
+        return exclusive_scan_tiles(_torch_of(counts).view(counts.shape)).cpu().numpy()
     return _starts_from_histograms(counts, nlisted).copy_to_host()
+
+
+def exclusive_scan_tiles(table):
+    """In place on a torch (tile, slot) table of counts: each entry becomes the sum of its column
+    above it; returns the column totals. The scan runs along the innermost dimension of the
+    transposed table (see _scan_tile_counts)."""
+    import torch
+
+    # (slot, tile): each class's tiles innermost; a copy always (contiguous() of a transpose with a
+    # dimension of 1 is the table itself, which the copy_ below would overwrite while read)
+    by_class = table.t().clone(memory_format=torch.contiguous_format)
+    table.copy_((by_class.cumsum(1) - by_class).t())
+    return by_class.sum(1)
 
 
 def tile_locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
