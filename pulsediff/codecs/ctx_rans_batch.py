@@ -52,6 +52,11 @@ BATCH_MAX_NUMEL = 1 << 20
 BATCH_ELEMENTS = 1 << 21
 
 
+def batchable(rec) -> bool:
+    """Whether a tensor record's section can go in a batch: a small ctx-rans patch."""
+    return rec.op == "patch" and rec.section.codec == "ctx-rans" and rec.numel <= BATCH_MAX_NUMEL
+
+
 class Batch:
     """Consecutive ctx-rans sections of one element width, applied by one kernel call.
 

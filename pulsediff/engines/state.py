@@ -85,12 +85,6 @@ class HostState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def warm_up(self) -> float:
-        """Load the kernels an update of these tensors runs (ops.warm.warm_up); the seconds it took."""
-        from pulsediff.ops.warm import warm_up
-
-        return warm_up({t.dtype for t in self.tensors.values()}, check=CHECK)
-
     def advance(self, source: str, step: int | None = None, trust=None, trust_state=None,
                 cache: Path | None = None, stage: bool = False) -> Advance:
         """Bring the tensors to `step` of the series at `source` (a folder, s3:// or http(s):// URL, or a

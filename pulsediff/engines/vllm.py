@@ -116,6 +116,10 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
         self.last_prepared = False  # whether the last update went on from a preparation ("prepare")
         self.timings: dict[str, float] = {}  # the last update's seconds: verify_decode, load
+        # Load the kernels an update runs now, beside the engine's own start: a first update otherwise
+        # spends seconds in first calls (issue 45). An update that comes sooner waits for what it needs.
+        dtypes = {torch.bfloat16, torch.float32} | {p.dtype for p in getattr(model, "parameters", list)()}
+        threading.Thread(target=_warm_up, args=(dtypes,), name="pulsediff-warm-up", daemon=True).start()
 
     # -- the four calls -----------------------------------------------------------------------
 
@@ -126,10 +130,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         return PulsediffInitInfo()
 
     def init_transfer_engine(self, init_info: PulsediffInitInfo) -> None:
-        state = self.host_state()  # read the checkpoint now rather than on the first update's critical path
-        # ...and load the kernels an update runs, beside the serving engine: a first update otherwise
-        # spends seconds in first calls (issue 45). An update that comes sooner waits for what it needs.
-        threading.Thread(target=_warm_up, args=(state,), name="pulsediff-warm-up", daemon=True).start()
+        self.host_state()  # read the checkpoint now rather than on the first update's critical path
 
     def start_weight_update(self) -> None:
         """Nothing: the engine is touched only after update_weights has verified everything."""
@@ -354,9 +355,12 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                 load_checkpoint_weight_patches(self.model, on_device, max_chunk_bytes=STAGING_BYTES)
 
 
-def _warm_up(state: HostState) -> None:
+def _warm_up(dtypes: set) -> None:
+    from pulsediff.engines.state import CHECK
+    from pulsediff.ops.warm import warm_up
+
     try:
-        logger.info("pulsediff: update kernels loaded in %.2f s", state.warm_up())
+        logger.info("pulsediff: update kernels loaded in %.2f s", warm_up(dtypes, check=CHECK))
     except Exception as exc:  # noqa: BLE001 - a warm-up only saves time: the updates load what they need
         logger.warning("pulsediff: the update kernels were not loaded ahead (%s: %s)", type(exc).__name__, exc)
 

@@ -699,13 +699,12 @@ class _BatchedRebuilds:
 
     @staticmethod
     def takes(item) -> bool:
-        from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL
+        from pulsediff.codecs.ctx_rans_batch import batchable
 
         if not isinstance(item, Rebuild) or len(item.steps) != 1 or item.base_bits is None:
             return False
         rec, payload, _ = item.steps[0]
-        return rec.op == "patch" and payload is not None and rec.section.codec == "ctx-rans" \
-            and rec.numel <= BATCH_MAX_NUMEL and item.base_bits.dtype.itemsize == rec.dtype.itemsize
+        return batchable(rec) and payload is not None and item.base_bits.dtype.itemsize == rec.dtype.itemsize
 
     def fits(self, rec: TensorRecord) -> bool:
         """Whether a record could join (decided before its sections are read, which costs nothing)."""

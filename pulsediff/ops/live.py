@@ -429,9 +429,9 @@ class _RebuiltInBatches:
         self.threads = num_threads()
 
     def takes(self, rec) -> bool:
-        from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL
+        from pulsediff.codecs.ctx_rans_batch import batchable
 
-        return rec.op == "patch" and rec.section.codec == "ctx-rans" and rec.numel <= BATCH_MAX_NUMEL
+        return batchable(rec)
 
     def add(self, rec, base: np.ndarray, payload: bytes) -> None:
         from pulsediff.codecs.base import SectionContext
@@ -457,11 +457,10 @@ class _RebuiltInBatches:
         self._run()
 
     def _run(self) -> None:
+        from pulsediff.kernels import cpu_batch
         from pulsediff.kernels.threads import parallel_map
 
         batches, self.closed = self.closed, []
-        from pulsediff.kernels import cpu_batch
-
         for result in parallel_map(lambda batch: batch.run(cpu_batch), [(b,) for b in batches]):
             for name, new, positions, old, _, _ in result.applied():
                 rec = self.records.pop(name)
@@ -572,7 +571,8 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     from pulsediff.ops.rebuild import rebuild_tensor
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import Scratch, SectionContext
-    from pulsediff.codecs.ctx_rans_batch import BATCH_ELEMENTS, BATCH_MAX_NUMEL, Batch
+    from pulsediff.codecs.ctx_rans_batch import BATCH_ELEMENTS, Batch
+    from pulsediff.codecs.ctx_rans_batch import batchable as small_ctx_rans
 
     views = dict(views)
     views.update({alias: views[name] for alias, name in aliases.items()})
@@ -656,8 +656,7 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
         return count
 
     def batchable(rec) -> bool:  # small ctx-rans sections into host tensors: batched (ctx_rans_batch)
-        return rec.op == "patch" and rec.section.codec == "ctx-rans" and rec.numel <= BATCH_MAX_NUMEL \
-            and isinstance(views[rec.name], np.ndarray)
+        return small_ctx_rans(rec) and isinstance(views[rec.name], np.ndarray)
 
     def batch_of(rec, payload, batch):
         """`batch` with this section added, or a new batch where it cannot take it."""
