@@ -707,10 +707,10 @@ class _BatchedRebuilds:
         return batchable(rec) and payload is not None and item.base_bits.dtype.itemsize == rec.dtype.itemsize
 
     def fits(self, rec: TensorRecord) -> bool:
-        """Whether a record could join (decided before its sections are read, which costs nothing)."""
-        from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL
+        """Whether a record could join, from its header record (before its sections are read)."""
+        from pulsediff.codecs.ctx_rans_batch import batchable
 
-        return rec.op == "patch" and rec.numel <= BATCH_MAX_NUMEL and rec.dtype.bits_dtype == self.dtype
+        return batchable(rec) and rec.dtype.bits_dtype == self.dtype
 
     def add(self, item: Rebuild) -> None:
         self.items.append(item)
@@ -718,6 +718,7 @@ class _BatchedRebuilds:
 
     def run(self) -> list:
         from pulsediff.codecs.ctx_rans_batch import Batch
+        from pulsediff.kernels import cpu_batch
         from pulsediff.ops.rebuild import check_base_size
 
         out = np.empty(self.elements, self.dtype)
@@ -731,8 +732,6 @@ class _BatchedRebuilds:
             batch.add(rec.name, copy, payload, rec.section.params,
                       SectionContext(rec.name, rec.numel, rec.dtype.itemsize, source))
             copies.append(copy)
-        from pulsediff.kernels import cpu_batch
-
         result = batch.run(cpu_batch)
         for k in range(result.done):  # each as Rebuild.run checks it: its target hash, then its base
             item = self.items[k]
@@ -794,15 +793,13 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
                             bits, release = tensors.take(rec)
                             if release is _nothing:  # a batch's slice: its bytes join the span
                                 span.add(f, bits)
-                                rebuilt.append(TensorId(rec.name, rec.dtype.name, rec.shape, rec.target_hash))
-                                progress.advance(rec.nbytes)
-                                continue
-                            span.flush(f)
-                            if isinstance(bits, Windows):
+                            elif isinstance(bits, Windows):
+                                span.flush(f)
                                 for part in bits.parts:
                                     writer.put(f, memoryview(part).cast("B"), bits.hasher)
                                 writer.put(f, memoryview(b""), bits.hasher, bits.check)
                             elif bits.size:
+                                span.flush(f)
                                 writer.put(f, memoryview(np.ascontiguousarray(bits)).cast("B"), then=release)
                                 if release is None:
                                     writer.drain()  # in the caller's scratch, which the next rebuild reuses

@@ -483,14 +483,14 @@ def device_bits(tensor):
     if tensor.device.type == "cpu":
         dtype = dtype_of(tensor)
         if tensor.is_contiguous():  # one torch view and its NumPy array (a third of host_bytes' cost)
-            return tensor.detach().view(_same_width_int(dtype.itemsize)).numpy().reshape(-1).view(dtype.bits_dtype)
+            return tensor.detach().view(same_width_int(dtype.itemsize)).numpy().reshape(-1).view(dtype.bits_dtype)
         return host_bytes(tensor).view(dtype.bits_dtype)
     from pulsediff.kernels import cuda_backend
 
     return cuda_backend().device_bits(_bits_view(tensor))
 
 
-def _same_width_int(itemsize: int):
+def same_width_int(itemsize: int):
     """The torch integer type whose elements are `itemsize` bytes (what NumPy can view as bits)."""
     import torch
 
@@ -755,11 +755,16 @@ def _run_unit(unit, place, scratch, alone: bool = False):
 def _placed_in_turn(units, place, scratch, undo):
     """(name, elements changed, word sum after) of each section, placed on this thread in order."""
     for unit in units:
-        placed, logged, error = _run_unit(unit, place, scratch)
-        undo.extend(logged)
-        if error is not None:
-            raise error
-        yield from placed
+        yield from _settled(_run_unit(unit, place, scratch), undo)
+
+
+def _settled(outcome, undo: list) -> list:
+    """A unit's placements, its undo entries logged first; its error raised after that."""
+    placed, logged, error = outcome
+    undo.extend(logged)
+    if error is not None:
+        raise error
+    return placed
 
 
 def _side_by_side(views: Mapping) -> bool:
@@ -785,21 +790,13 @@ def _placed_side_by_side(units, place, undo):
     from pulsediff.kernels.threads import num_threads, pool
 
     running: deque = deque()
-
-    def settled(future):
-        placed, logged, error = future.result()
-        undo.extend(logged)
-        if error is not None:
-            raise error
-        return placed
-
     try:
         for unit in units:
             running.append(pool().submit(_run_unit, unit, place, Scratch(), True))
             if len(running) >= num_threads():
-                yield from settled(running.popleft())
+                yield from _settled(running.popleft().result(), undo)
         while running:
-            yield from settled(running.popleft())
+            yield from _settled(running.popleft().result(), undo)
     finally:
         wait(running)
         for future in running:  # batches that finished unseen: their writes must be undone too
