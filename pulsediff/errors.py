@@ -174,6 +174,11 @@ class FetchError(PulsediffError, OSError):
     """A remote series that cannot be reached, or refuses us, past the retries: no path around it."""
 
 
+class OtherRunError(PulsediffError, ValueError):
+    """publish given a training folder whose checkpoints are not the steps its DEST lists: another run
+    (or a checkpoint rewritten after it was published). A series belongs to one run."""
+
+
 class PublishConflictError(PulsediffError, FileExistsError):
     """Another publisher's object or manifest is where this publish would write."""
 

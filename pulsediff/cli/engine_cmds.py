@@ -33,6 +33,9 @@ def vllm_sync(
                                                  "in the background while it goes on generating, and pause only "
                                                  "this many seconds later: the pause then lasts for the load "
                                                  "alone (0: pause at once).")] = 0.0,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace weights the series does not list (another "
+                                        "run's, or a step it no longer keeps) with its step, from an anchor. "
+                                        "Without it they are refused, as catch-up refuses them.")] = False,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
@@ -47,7 +50,8 @@ def vllm_sync(
     if watch and step is not None:
         raise UsageError("--watch follows the newest step; leave out --step")
     while True:
-        result = sync_server(server, source, step=step, trust=trust or None, client=client, prepare_ahead=prepare_ahead)
+        result = sync_server(server, source, step=step, trust=trust or None, client=client, prepare_ahead=prepare_ahead,
+                             force=force)
         if as_json:
             out.json({"status": result.status, "weight_version": result.version, "before": result.before,
                       "seconds": round(result.seconds, 3), "prepared_ahead": round(result.prepared_ahead, 3)})

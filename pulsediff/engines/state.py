@@ -86,11 +86,14 @@ class HostState:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def advance(self, source: str, step: int | None = None, trust=None, trust_state=None,
-                cache: Path | None = None, stage: bool = False) -> Advance:
+                cache: Path | None = None, force: bool = False, stage: bool = False) -> Advance:
         """Bring the tensors to `step` of the series at `source` (a folder, s3:// or http(s):// URL, or a
         path to its manifest.json), or through the patch file `source` (a path, or a URL ending in
         .pulsediff). Every file is fetched and checked, and every tensor verified, before the first is
         written; on any error the tensors are as they were and PulsediffError says why.
+
+        Tensors whose digest the series does not list (another run, or a step it no longer keeps) are
+        moved onto it, from an anchor, only with `force`; to an earlier step only when `step` asks.
 
         `stage`: keep what it takes to go back (the old values at the written positions), until
         `commit()` or `revert()`: for an engine whose ranks must all take an update or none (a
@@ -101,10 +104,10 @@ class HostState:
         the returned Advance, the undo log and a failure's revert cover both, so that the state
         goes back to where it stood before the preparation, as the engine still is."""
         self.settle()
-        return self._advance_staged(source, step, trust, trust_state, cache, stage)
+        return self._advance_staged(source, step, trust, trust_state, cache, force, stage)
 
     def prepare(self, source: str, step: int | None = None, trust=None, trust_state=None,
-                cache: Path | None = None) -> bool:
+                cache: Path | None = None, force: bool = False) -> bool:
         """Start `advance(..., stage=True)` on a thread of its own and return at once: the fetch, the
         checks and the decode run while the engine goes on serving its current weights. The next
         advance waits for it and, for the same source and trust, goes on from it, so that only what
@@ -116,7 +119,7 @@ class HostState:
             return False
         self.settle()
         self.prepare_error = ""
-        thread = threading.Thread(target=self._prepare, args=(source, step, trust, trust_state, cache),
+        thread = threading.Thread(target=self._prepare, args=(source, step, trust, trust_state, cache, force),
                                   name="pulsediff-prepare", daemon=True)
         self._preparing = thread
         thread.start()
@@ -136,10 +139,10 @@ class HostState:
         thread.join()
         self._preparing = None
 
-    def _prepare(self, source, step, trust, trust_state, cache) -> None:
+    def _prepare(self, source, step, trust, trust_state, cache, force) -> None:
         start = time.perf_counter()
         try:
-            advance = self._advance_staged(source, step, trust, trust_state, cache, stage=True)
+            advance = self._advance_staged(source, step, trust, trust_state, cache, force, stage=True)
         except BaseException as exc:  # the state is as it was before; the next advance does the work
             self.prepare_error = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
             return
@@ -147,7 +150,7 @@ class HostState:
             self.prepare_seconds = time.perf_counter() - start
         self.prepared = _Prepared(_prepared_key(source, trust), advance)
 
-    def _advance_staged(self, source, step, trust, trust_state, cache, stage: bool) -> Advance:
+    def _advance_staged(self, source, step, trust, trust_state, cache, force, stage: bool) -> Advance:
         prepared, self.prepared = self.prepared, None
         if prepared is not None and prepared.key != _prepared_key(source, trust):
             self._revert()  # prepared from another source (or under other keys): not a base to go on from
@@ -157,7 +160,7 @@ class HostState:
         before = self.staged or _Staged([], self.digest, self.step, dict(self.sums))
         self.staged = None
         try:
-            advance = self._advance(source, step, trust, trust_state, cache, before.undo)
+            advance = self._advance(source, step, trust, trust_state, cache, force, before.undo)
         except BaseException:  # after a completed apply too (its housekeeping): as it was, every field
             self.staged = before
             self._revert()
@@ -165,7 +168,7 @@ class HostState:
                 raise
             # From where the preparation got, the way on may not exist (asked for a step before the
             # prepared one, where no chain leads back): the whole way again, from where the engine is.
-            return self._advance_staged(source, step, trust, trust_state, cache, stage)
+            return self._advance_staged(source, step, trust, trust_state, cache, force, stage)
         if prepared is not None:
             advance = _joined(prepared.advance, advance)
         if stage:
@@ -205,7 +208,7 @@ class HostState:
             raise
         self.digest, self.step, self.sums = staged.digest, staged.step, staged.sums
 
-    def _advance(self, source, step, trust, trust_state, cache, undo_log) -> Advance:
+    def _advance(self, source, step, trust, trust_state, cache, force, undo_log) -> Advance:
         kind, where = classify_source(source)
         check_request_fits(kind, source, step, trust)
         # CHECK (FORMAT.md §7.1): the word sums of the base and of each rebuilt tensor, with the changes
@@ -228,7 +231,9 @@ class HostState:
 
         result = catch_up_state_dict(self.tensors, where, check=CHECK, digest=self.digest, trust=trust,
                                      trust_state=trust_state, step=step, changes=changes, cache=cache,
-                                     sums=self.sums, undo_log=undo_log)
+                                     sums=self.sums, undo_log=undo_log, force=force,
+                                     holder=f"the engine's weights (step {self.step})" if self.step is not None
+                                     else "the engine's weights")
         self.digest, self.step = result.digest, result.step
         return Advance(result.status, result.step, result.digest, changes, result.links)
 
@@ -326,7 +331,7 @@ def load_host_state(folder: str | os.PathLike) -> HostState:
 
 # -- the request an engine's update takes ---------------------------------------------------------
 
-UPDATE_KEYS = ("source", "step", "trust", "prepare")
+UPDATE_KEYS = ("source", "step", "trust", "prepare", "force")
 KEY_PREFIX = "ed25519:"  # signing.KEY_PREFIX (not imported: that module needs cryptography)
 
 
@@ -336,6 +341,7 @@ class UpdateRequest:
     step: int | None = None
     trust: tuple[str, ...] | None = None  # public keys (ed25519:... lines) or files of them
     prepare: bool = False  # verify and decode in the background, touching nothing (HostState.prepare)
+    force: bool = False  # weights the series does not list may be replaced with a step of it, from an anchor
 
 
 def parse_update_request(info) -> UpdateRequest:
@@ -366,7 +372,10 @@ def parse_update_request(info) -> UpdateRequest:
     prepare = info.get("prepare", False)
     if not isinstance(prepare, bool):
         raise UsageError(f"update_info 'prepare' must be true or false, not {_described(prepare)}")
-    return UpdateRequest(source, step, trust, prepare)
+    force = info.get("force", False)
+    if not isinstance(force, bool):
+        raise UsageError(f"update_info 'force' must be true or false, not {_described(force)}")
+    return UpdateRequest(source, step, trust, prepare, force)
 
 
 def _described(value) -> str:

@@ -96,12 +96,13 @@ class PulsediffInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class PulsediffUpdateInfo(WeightTransferUpdateInfo):
-    """update_weights' update_info: {"source": S, "step": N, "trust": K, "prepare": P}."""
+    """update_weights' update_info: {"source": S, "step": N, "trust": K, "prepare": P, "force": F}."""
 
     source: str
     step: int | None = None
     trust: tuple[str, ...] | None = None
     prepare: bool = False
+    force: bool = False
 
 
 class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, PulsediffUpdateInfo]):
@@ -166,7 +167,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             # The operator's keys, when set, decide: a request cannot drop them (nor take a lone patch file).
             trust = os.environ.get(TRUST_ENV, "").split(",") if os.environ.get(TRUST_ENV) else update_info.trust
             request = (update_info.source, update_info.step, list(trust) if trust else None,
-                       os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None)
+                       os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None, update_info.force)
             state = self.host_state()
             if not prepare:
                 state.settle()
@@ -378,7 +379,7 @@ def _warm_up(dtypes: set) -> None:
 def _typed(update_dict) -> PulsediffUpdateInfo:
     """update_weights' update_info checked (state.parse_update_request: UsageError, one line) and typed."""
     request = parse_update_request(update_dict)
-    return PulsediffUpdateInfo(request.source, request.step, request.trust, request.prepare)
+    return PulsediffUpdateInfo(request.source, request.step, request.trust, request.prepare, request.force)
 
 
 SPARSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # NaN exists and torch.isnan works everywhere

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -45,16 +46,22 @@ class Target:
     request: dict  # update_weights' update_info
 
 
-def resolve_target(source: str, step: int | None = None, trust=None, trust_state=None) -> Target:
+def resolve_target(source: str, step: int | None = None, trust=None, trust_state=None, force: bool = False) -> Target:
     """Where `source` leads: for a series, `step` or its newest step, with the manifest read (and its
     signature checked under `trust`) here, so that a missing step is refused before the engine is
     asked; for a patch file, its target digest. The source must be readable here as well as by the
-    engine's workers (the same path, or a URL). `trust` (keys or files of them) is sent as the keys."""
+    engine's workers (the same path, or a URL): a relative path is sent as an absolute one, since a
+    server's workers would read it from their own directory. `trust` (keys or files of them) is sent as
+    the keys. `force`: weights the series does not list may be replaced with its step (HostState.advance)."""
     from pulsediff.engines.state import check_request_fits, classify_source, is_url, parse_update_request
 
+    if not is_url(source):
+        source = os.path.abspath(source)
     request: dict = {"source": source}
     if step is not None:
         request["step"] = step
+    if force:
+        request["force"] = True
     if trust:
         from pulsediff.series.signing import trusted_keys
 
@@ -85,12 +92,14 @@ def resolve_target(source: str, step: int | None = None, trust=None, trust_state
     return Target(entry.step, str(entry.step), request)
 
 
-def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_state=None) -> Target:
+def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_state=None,
+               force: bool = False) -> Target:
     """Move an offline `vllm.LLM` (backend "pulsediff") to `step` of `source`; returns where it went.
     A refused update leaves the engine's weights and weight version as they were; an engine that failed
     while loading verified weights gets the weight version "undefined" (the next update loads every
-    tensor). After `prepare_llm` of the same source the workers go on from what they prepared."""
-    target = resolve_target(source, step, trust, trust_state)
+    tensor). After `prepare_llm` of the same source the workers go on from what they prepared. Weights the
+    series does not list (another run's, or a step it no longer keeps) are refused unless `force`."""
+    target = resolve_target(source, step, trust, trust_state, force)
     llm.start_weight_update()
     try:
         llm.update_weights({"update_info": target.request})  # a worker that refuses leaves its session closed
@@ -104,13 +113,13 @@ def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_s
 
 
 def prepare_llm(llm, source: str, *, step: int | None = None, trust=None, trust_state=None,
-                wait: bool = False) -> Target:
+                wait: bool = False, force: bool = False) -> Target:
     """Prepare the update `update_llm` would make, without changing what the engine serves: every worker
     verifies and decodes it in the background (engines/vllm.py, "prepare"). Call `update_llm` with the same
     source to take it. `wait`: return only when every worker's preparation has ended (vLLM runs no model
     step meanwhile). A preparation that fails is not reported here: the update does the whole work again,
     and refuses it with one line if it fails again."""
-    target = resolve_target(source, step, trust, trust_state)
+    target = resolve_target(source, step, trust, trust_state, force)
     llm.start_weight_update()
     llm.update_weights({"update_info": dict(target.request, prepare=True)})
     llm.finish_weight_update()  # no weight version: the engine's weights have not changed
@@ -219,7 +228,7 @@ class SyncResult:
 
 
 def sync_server(url: str, source: str, *, step: int | None = None, trust=None, trust_state=None,
-                client: ServerClient | None = None, prepare_ahead: float = 0.0) -> SyncResult:
+                client: ServerClient | None = None, prepare_ahead: float = 0.0, force: bool = False) -> SyncResult:
     """Move a running `vllm serve` to `step` (default: the newest) of `source`. The server's
     generation is paused (in-flight requests finish first, caches cleared) for the update, and
     resumed whatever happens; a refused update leaves the engine serving its old weights.
@@ -227,9 +236,9 @@ def sync_server(url: str, source: str, *, step: int | None = None, trust=None, t
     `prepare_ahead` (seconds): first have the workers prepare the update in the background (fetch,
     checks and decode, while the server goes on generating), and pause that long after: the pause
     then lasts for the load alone if the preparation has ended by then, and for what is left of it if
-    not."""
+    not. `force`: as update_llm's."""
     client = client or ServerClient(url)
-    target = resolve_target(source, step, trust, trust_state)
+    target = resolve_target(source, step, trust, trust_state, force)
     before = client.weight_version()
     if before == target.version:
         return SyncResult("up-to-date", before, before, 0.0)

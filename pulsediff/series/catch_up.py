@@ -267,14 +267,19 @@ def _refuse_stranger(checkpoint: Path, source: Store, manifest: Manifest, out: P
     place. Written to another `out`, it would not be the worker's model moved on, whatever the flags."""
     if out is not None and _same_path(Path(out), checkpoint):
         out = None  # in place
-    what = (f"{checkpoint} is not a step of the series in {source.location} (the manifest lists no step with its "
-            f"digest: another model, or a step older than those the series keeps)")
+    what = _not_listed(str(checkpoint), source.location)
     if out is not None:
         raise NotInSeriesError(f"{what}; to build {out} from an anchor, catch up {out} on its own "
                                f"(pulsediff catch-up {out} {source.location})")
     if not force:
         raise NotInSeriesError(f"{what}; give -f/--force (force=True) to replace it with step "
                                f"{manifest.newest.step}, rebuilt from an anchor")
+
+
+def _not_listed(what: str, location: str, verb: str = "is") -> str:
+    """The words for a checkpoint (or live weights) a series does not list, the same on every path."""
+    return (f"{what} {verb} not a step of the series in {location} (the manifest lists no step with "
+            f"{'its' if verb == 'is' else 'their'} digest: another run or model, or a step older than those the series keeps)")
 
 
 def _intact_chain(manifest: Manifest, have: str | None, goals: list[str], source: Store, check, problems: dict,
@@ -381,7 +386,8 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
                         check: str = "auto", digest: str | None = None, trust=None,
                         trust_state: str | Path | None = None, step: int | None = None,
                         changes: dict | None = None, cache: Path | None = None,
-                        sums: dict | None = None, undo_log: list | None = None) -> LiveCatchUp:
+                        sums: dict | None = None, undo_log: list | None = None, force: bool = False,
+                        holder: str = "the live tensors") -> LiveCatchUp:
     """`pulsediff catch-up` for live tensors: follow a published series (a folder, an `s3://` or
     `http(s)://` URL, or a Store) in place, by the cheapest chain of intact patches from the
     tensors' digest to `step` (default: the newest).
@@ -390,7 +396,9 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
     apply; one under another scheme than the series' is taken again), which spares hashing them on the host to find where they are in the series (on
     a GPU, a copy of every tensor); the chain's first patch checks the base all the same
     (by word sums under check="sums"), though a `digest` that names the target step is
-    taken at its word. `check`, `changes`, `sums` and `undo_log` are apply_to_state_dict's. `trust` and
+    taken at its word. Tensors the series does not list (another run, or a step it no longer keeps;
+    `holder` names them in the refusal) are replaced with a step of it, from an anchor, only with
+    `force`: NotInSeriesError otherwise, as catch_up's. `check`, `changes`, `sums` and `undo_log` are apply_to_state_dict's. `trust` and
     `trust_state`: as `catch_up`'s (a signed series: the manifest signed by a trusted key
     and not older than one accepted before, each file's SHA-256 the one it names). Remote
     files are fetched into `cache` (default: remote.default_cache). Every file of the chain
@@ -413,6 +421,10 @@ def catch_up_state_dict(tensors: MutableMapping, source: "str | Path | Store", *
             digest = state_dict_digest(tensors, manifest.precision, manifest.scheme, device)
         if digest == goal.target:
             return LiveCatchUp("up-to-date", goal.step, 0, 0, digest)
+        if not force and not _in_series(manifest, digest):
+            raise NotInSeriesError(f"{_not_listed(f'{holder} ({digest})', store.location, 'are')}; give force "
+                                   f"(vllm-sync -f, update_info \"force\": true, force=True) to replace them with "
+                                   f"step {goal.step}, rebuilt from an anchor")
         # With trust, every local file is copied while hashed and applied from that private copy: one swapped
         # in the folder after its check is never read (PrivateCopies, below). Remote files are private already.
         private = PrivateCopies(cache) if trust is not None and not store.remote else None

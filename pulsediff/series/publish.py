@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pulsediff.errors import CheckpointNotFoundError, PulsediffError, UsageError
+from pulsediff.errors import CheckpointNotFoundError, OtherRunError, PulsediffError, UsageError
 from pulsediff.format.manifest import MANIFEST, Entry, Manifest, file_sha256
 from pulsediff.io.atomic import TMP_SUFFIX, temp_prefix
 from pulsediff.runtime.progress import SILENT, Progress
@@ -159,15 +159,15 @@ def _read_dest_manifest(dest: Store, signing: "_Signing | None") -> Manifest | N
 def _save_manifest(dest: Store, manifest: Manifest, signing: "_Signing | None") -> None:
     """Write the next version of the manifest (serial + 1), signed when publishing a signed series."""
     manifest.serial += 1
+    if manifest.series is None:  # a new series (or one from before ids): its run's id, kept from now on
+        import secrets
+
+        manifest.series = secrets.token_hex(16)
     if signing is None:
         dest.save_manifest(manifest)
         return
     from pulsediff.series.signing import check_rollback, public_key_text, sign_manifest
 
-    if manifest.series is None:  # a new signed series (or one from before ids): its id, kept from now on
-        import secrets
-
-        manifest.series = secrets.token_hex(16)
     data = manifest.to_bytes()
     dest.save_manifest(manifest, sign_manifest(signing.key, data))
     newest = manifest.newest
@@ -250,8 +250,8 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
                 what = f"anchor {step}" if from_step is None else f"patch {from_step} to {step}"
                 header = make_patch(base_path, path, tmp, progress=_Named(progress, what), **kwargs)
                 if from_step is not None and digest_at.get(from_step, header.base_digest) != header.base_digest:
-                    raise PulsediffError(f"{base_path} changed after step {from_step} was published; "
-                                         f"its digest is no longer the one in {dest.shown(MANIFEST)}")
+                    raise _other_run(train_dir, paths, digest_at, dest, precision, manifest.scheme, progress,
+                                     (from_step, header.base_digest))
                 new_entries.append(Entry(kind, name, step, from_step, header.base_digest, header.target_digest,
                                          tmp.stat().st_size, header.target_bytes, file_sha256(tmp)))
             # The second look: the checkpoint read while making the patches must be the one there now.
@@ -272,6 +272,11 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         steps_done.append(step)
         digest_at[step] = new_entries[0].target
         prev, last_step = path, step
+    if not report.steps:
+        # Nothing new was made (a make from a published step checks that step's digest on the way), so
+        # check here that the newest step both sides hold is the one published: else another run's folder
+        # would be "up to date" with this series, and a worker on that run rebuilt to this one's weights.
+        _check_same_run(train_dir, paths, digest_at, dest, precision, manifest.scheme, progress)
     report.found = len(candidates) - len(report.skipped)
     if not report.found:
         # An empty folder is a watch's normal start, and normal once DEST holds what it had (a trainer
@@ -286,6 +291,55 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         report.pruned = _prune(manifest, dest, keep, signing)
     return report
 
+
+# A watch looks every few seconds: the checkpoint found to be the published step is not read again
+# until its fingerprint (size, mtime, ...) changes. Keyed by (training path, DEST), a few entries.
+_SAME_RUN_SEEN: dict[tuple[str, str], tuple] = {}
+FIRST_DIFFERENCE_READS = 16  # checkpoints read, oldest common step first, to name where two runs part
+
+
+def _check_same_run(train_dir: Path, paths: dict, digest_at: dict, dest: Store, precision: str, scheme,
+                    progress: Progress) -> None:
+    common = sorted(set(paths) & set(digest_at))
+    if not common:
+        return
+    from pulsediff.ops.inspect import checkpoint_digest_of
+
+    step = common[-1]
+    key = (str(paths[step].resolve()), dest.location)
+    before = fingerprint_or_none(paths[step])
+    if before is not None and _SAME_RUN_SEEN.get(key) == before:
+        return
+    found = checkpoint_digest_of(paths[step], precision, _Named(progress, f"check {step}"), scheme)
+    if found != digest_at[step]:
+        raise _other_run(train_dir, paths, digest_at, dest, precision, scheme, progress, (step, found))
+    if before is not None and fingerprint_or_none(paths[step]) == before:
+        if len(_SAME_RUN_SEEN) > 64:
+            _SAME_RUN_SEEN.clear()
+        _SAME_RUN_SEEN[key] = before
+
+
+def _other_run(train_dir: Path, paths: dict, digest_at: dict, dest: Store, precision: str, scheme,
+               progress: Progress, differs: tuple[int, str]) -> OtherRunError:
+    """The refusal of a training folder whose step `differs[0]` has digest `differs[1]`, not the one
+    published, naming the first step (of the oldest few both sides hold) where the two runs part."""
+    from pulsediff.ops.inspect import checkpoint_digest_of
+
+    step, found = differs
+    for s in sorted(set(paths) & set(digest_at))[:FIRST_DIFFERENCE_READS]:
+        if s >= step:
+            break
+        try:
+            d = checkpoint_digest_of(paths[s], precision, _Named(progress, f"check {s}"), scheme)
+        except (OSError, PulsediffError):  # gone or unreadable now: name the step found first
+            continue
+        if d != digest_at[s]:
+            step, found = s, d
+            break
+    return OtherRunError(f"{train_dir} is not the run published in {dest.location}: its step {step} "
+                         f"({paths[step].name}) is {found}, the series' step {step} is {digest_at[step]}; a series "
+                         f"belongs to one run: publish this one into a DEST of its own (or, if its checkpoint was "
+                         f"rewritten after it was published, into a new DEST)")
 
 
 class _Named(Progress):
