@@ -42,13 +42,13 @@ def test_stats_plot_refuses_an_existing_png_without_force(train, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_second_demo_refuses_to_replace_the_first_ones_files(tmp_path):
+def test_the_demo_does_not_replace_files_it_did_not_write(tmp_path):
     demo = tmp_path / "demo"
     demo.mkdir()
     (demo / "step.pulsediff").write_bytes(b"the first demo's patch")
     proc = run("demo", "--dir", demo)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "already exists" in proc.stderr and "-f/--force" in proc.stderr
+    assert "already exists; it was not written by a demo: give -f/--force" in proc.stderr
     assert (demo / "step.pulsediff").read_bytes() == b"the first demo's patch"
     assert sorted(p.name for p in demo.iterdir()) == ["step.pulsediff"]  # nothing trained or written
 

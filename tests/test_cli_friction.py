@@ -183,7 +183,7 @@ def test_a_patch_given_as_a_checkpoint_is_recognised(pair, tmp_path):
         assert expected in line, args
         assert "header length" not in line
     # and the other way round: apply's arguments swapped
-    line = one_line_error(run("apply", patch, old, "-o", tmp_path / "out", check=False), 1)
+    line = one_line_error(run("apply", patch, old, "-o", tmp_path / "out", check=False), 2)  # usage, as catch-up's
     assert f"{old} is a checkpoint, not a patch; the base comes first: pulsediff apply BASE PATCH -o OUT" in line
     assert not (tmp_path / "out").exists()
 

@@ -45,8 +45,9 @@ def test_demo_end_to_end(tmp_path):
     assert ratio >= 100
 
 
-def test_demo_quiet_prints_only_the_result(tmp_path, monkeypatch):
-    """-q: no progress lines; the result table still goes to stdout (in-process, with a tiny recipe)."""
+def test_demo_quiet_prints_only_the_result_and_runs_again(tmp_path, monkeypatch):
+    """-q: no progress lines; the result table still goes to stdout (in-process, with a tiny recipe). A
+    second demo in the same folder replaces the first one's files, without -f."""
     from typer.testing import CliRunner
 
     from pulsediff.cli.main import app
@@ -58,6 +59,11 @@ def test_demo_quiet_prints_only_the_result(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "training" not in result.output and "[1/4]" not in result.output
     assert "bit-identical" in result.output
+    (tmp_path / "q" / "step.pulsediff").write_bytes(b"stale")
+    again = CliRunner().invoke(app, ["demo", "--dir", str(tmp_path / "q"), "-q", "--lr", "2e-6"])
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "q" / "rebuilt.safetensors").read_bytes() == (tmp_path / "q" / "step_000001.safetensors").read_bytes()
+    assert (tmp_path / "q" / "step.pulsediff").read_bytes()[:4] != b"stal"
     loud = CliRunner().invoke(app, ["demo", "--dir", str(tmp_path / "loud")])
     assert loud.exit_code == 0 and "training: step 4/4, RL step, loss" in loud.output
 

@@ -121,7 +121,7 @@ def test_python_api_refuses_an_output_of_the_wrong_kind_whatever_force(models, t
 
 
 def test_a_patch_then_a_model_folder_says_the_base_comes_first(models, tmp_path):
-    line = one_line_error(run("apply", models["folder_patch"], models["old"], "-o", tmp_path / "out", check=False), 1)
+    line = one_line_error(run("apply", models["folder_patch"], models["old"], "-o", tmp_path / "out", check=False), 2)
     assert "the base comes first: pulsediff apply BASE PATCH -o OUT" in line, line
     assert "is a folder, not a patch file" not in line
     # a folder of something else after a real base is still just not a patch

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pulsediff.errors import (CheckpointNotFoundError, InvalidPatchError, OutputError, OutputExistsError,
+from pulsediff.errors import (CheckpointNotFoundError, InvalidPatchError, OutputError, OutputExistsError, UsageError,
                               refuse_folder_for_file)
 
 
@@ -63,7 +63,7 @@ def check_patch_paths(patches: list, base: Path | None = None) -> None:
         path = Path(p)
         if path.is_dir():
             if base is not None and is_patch_file(base) and any(path.glob("*.safetensors")):
-                raise InvalidPatchError(f"{path} is a model folder and {base} a patch; the base comes first: "
+                raise UsageError(f"{path} is a model folder and {base} a patch; the base comes first: "
                                         f"pulsediff apply BASE PATCH -o OUT")
             raise InvalidPatchError(f"{path} is a folder, not a patch file")
         if not path.exists():
@@ -100,5 +100,6 @@ def checkpoint_kind(path: Path) -> str | None:
 def _refuse_checkpoint_as_patch(path: Path) -> None:
     """A checkpoint where a patch belongs (apply's arguments swapped, say): say so, not "bad magic bytes"."""
     if checkpoint_kind(path) == "safetensors":
-        raise InvalidPatchError(f"{path} is a checkpoint, not a patch; the base comes first: "
-                                f"pulsediff apply BASE PATCH -o OUT")
+        # Arguments swapped, a usage mistake: exit 2, as catch-up's swapped arguments.
+        raise UsageError(f"{path} is a checkpoint, not a patch; the base comes first: "
+                         f"pulsediff apply BASE PATCH -o OUT")

@@ -13,11 +13,15 @@ from pulsediff.cli.options import Device, Quiet
 from pulsediff.cli.output import Output, human_bytes
 
 
+DEMO_MARK = ".pulsediff-demo"  # in a folder the demo wrote: the next demo replaces its files
+
+
 def demo(
     directory: Annotated[Path, typer.Option("--dir", help="Where to write the example checkpoints and patch.")] = Path("pulsediff-demo"),
     lr: Annotated[float, typer.Option("--lr", help="Learning rate of the RL-like AdamW step.")] = 1e-6,
     device: Device = "auto",
-    force: Annotated[bool, typer.Option("--force", "-f", help="Replace a previous demo's files in the folder.")] = False,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Write the demo's files into a folder that holds files "
+                                        "of those names from elsewhere (a previous demo's are replaced anyway).")] = False,
     quiet: Quiet = False,
 ) -> None:
     """Pretrain a small transformer briefly, take one AdamW step at lr 1e-6, then make, apply, verify and show stats."""
@@ -36,14 +40,16 @@ def demo(
     from pulsediff.example import STEP_NAME
     from pulsediff.errors import OutputExistsError
 
-    # Every file the demo writes; a second run in the same folder replaces them only when asked.
+    # Every file the demo writes. A demo just runs again: its own folder (marked) is replaced; files of those
+    # names that some other hand put there are replaced only when asked.
     written = [directory / STEP_NAME.format(0), directory / STEP_NAME.format(1), directory / "step.pulsediff",
                directory / "rebuilt.safetensors"]
     existing = next((p for p in written if p.exists() or p.is_symlink()), None)
-    if existing is not None and not force:
-        raise OutputExistsError(str(existing), "give -f/--force (or another --dir)")
+    if existing is not None and not force and not (directory / DEMO_MARK).is_file():
+        raise OutputExistsError(str(existing), "it was not written by a demo: give -f/--force (or another --dir)")
     out = Output(quiet=quiet)
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / DEMO_MARK).write_text("written by `pulsediff demo`, which replaces this folder's demo files\n")
     warmup = DEMO_RECIPE["warmup_steps"]
     out.info(f"[1/4] training a small Llama-shaped transformer into {directory}/: {warmup} pretraining-like steps, "
              f"then one RL-like AdamW step at lr {lr:g} (FP32 master weights, BF16 checkpoints) ...")

@@ -197,11 +197,17 @@ class Checkpoint:
                 pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
                 if pickles:
                     raise InvalidCheckpointError(str(self.path), f"folder holds {pickles[0]}: " + PICKLE_ADVICE)
+                inner = sorted(p.name for p in self.path.iterdir() if p.is_dir() and not p.name.startswith(".")
+                               and any(q.suffix == ".safetensors" for q in p.iterdir()))
+                if inner:  # a trainer's folder of steps, or a parent folder: name one checkpoint in it
+                    raise InvalidCheckpointError(str(self.path), f"folder has no {INDEX_NAME} and no .safetensors "
+                                                 f"files of its own, but holds checkpoints in folders: give one of "
+                                                 f"them, e.g. {self.path / inner[-1]}")
                 raise InvalidCheckpointError(str(self.path), f"folder has no {INDEX_NAME} and no .safetensors files")
             for n in names:
-                self._add_shard(n, self.path / n)
+                self._add_shard(n, self.path / n, several=names)
 
-    def _add_shard(self, name: str, path: Path) -> None:
+    def _add_shard(self, name: str, path: Path, several: list[str] | None = None) -> None:
         # O_NONBLOCK: a FIFO given as a checkpoint must be refused, not waited on forever.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         st = os.fstat(fd)
@@ -232,6 +238,10 @@ class Checkpoint:
         self.shards.append(shard)
         for entry in header.tensors:
             if entry.name in self._where:
+                if several is not None:  # shards without an index that repeat each other: a folder of steps
+                    raise InvalidCheckpointError(
+                        str(self.path), f"a folder of several checkpoints, not one ({self._where[entry.name][0].name} "
+                        f"and {name} both hold {entry.name!r}): give one of them, e.g. {self.path / several[-1]}")
                 raise InvalidCheckpointError(str(path), f"tensor {entry.name!r} appears in two shards")
             self._where[entry.name] = (shard, entry)
 
