@@ -80,3 +80,30 @@ def test_make_synthetic_pair_help_ends_its_sentences():
                           timeout=120).stdout
     for line in re.findall(r"^  -.*$", text, flags=re.M):
         assert not line.rstrip().endswith((" about", " of", " the", ",")), line
+
+
+def test_command_descriptions_break_no_line_mid_sentence():
+    """A docstring paragraph is one line: rich keeps the line breaks inside it, so a paragraph wrapped in the
+    source broke mid-sentence on every terminal (make --help: "tokenizer files, ...),|so that ...")."""
+    import inspect
+
+    from pulsediff.cli.main import app
+
+    for command in app.registered_commands:
+        for paragraph in inspect.cleandoc(command.callback.__doc__ or "").split("\n\n"):
+            assert "\n" not in paragraph.strip(), (command.callback.__name__, paragraph[:80])
+
+
+@pytest.mark.parametrize("name", ["publish", "vllm-sync"])
+def test_options_in_seconds_say_seconds(helps, name):
+    for option in ("--interval", "--idle-exit", "--settle", "--prepare-ahead"):
+        row = next((line for line in helps[name].splitlines() if re.match(rf"\W*{option}\s", line)), None)
+        if row is not None:
+            assert "SECONDS" in row, row
+
+
+def test_publish_trust_state_help_says_sign_uses_it(helps):
+    """The README's --sign recovery reads the record: its help said "With --trust" only."""
+    lines = helps["publish"].splitlines()
+    at = next(i for i, line in enumerate(lines) if re.match(r"\W*--trust-state\s", line))
+    assert "--sign" in " ".join(lines[at:at + 3])

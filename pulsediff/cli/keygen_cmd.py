@@ -20,8 +20,7 @@ def keygen(
 ) -> None:
     """Make a key pair for signing a series; print its public key (one line, ed25519:...).
 
-    The private key stays on the publisher (pulsediff publish --sign KEYFILE);
-    workers get the public key (pulsediff catch-up --trust ed25519:...).
+    The private key stays on the publisher (pulsediff publish --sign KEYFILE); workers get the public key (pulsediff catch-up --trust ed25519:...).
     """
     from pulsediff.series.signing import keygen as make, load_private_key, public_key_text
     from pulsediff.cli.output import Output

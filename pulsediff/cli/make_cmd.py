@@ -28,8 +28,7 @@ def make(
 ) -> None:
     """Diff two checkpoints into a patch.
 
-    For model folders the patch also carries the folder's other files (config.json, tokenizer files, ...),
-    so that `apply -o` rebuilds a folder that loads as it is.
+    For model folders the patch also carries the folder's other files (config.json, tokenizer files, ...), so that `apply -o` rebuilds a folder that loads as it is.
     """
     if as_json and output == "-":
         raise UsageError("--json prints on stdout, which -o - uses for the patch")

@@ -44,6 +44,7 @@ Precision = Annotated[
         "bf16: compare floating tensors after casting both sides to BF16 (FP32 master weights -> BF16 workers).",
     ),
 ]
-TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust: the record of "
-                       "the newest manifest accepted per source (under any key), which an older one may not undercut. "
+TrustState = Annotated[Optional[Path], typer.Option("--trust-state", metavar="FILE", help="With --trust or --sign: the "
+                       "record of the newest manifest accepted per source (under any key), which an older one may not "
+                       "undercut; publish --sign also reads it to re-sign a manifest after an interrupted publish. "
                        "Default: trusted-series.json in $XDG_STATE_HOME/pulsediff (~/.local/state/pulsediff).")]

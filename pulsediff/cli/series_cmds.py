@@ -29,8 +29,9 @@ def publish(
     _skips: Annotated[bool, typer.Option("--skips", hidden=True)] = True,
     watch: Annotated[bool, typer.Option("--watch", help="Keep publishing as new checkpoints appear (TRAIN_DIR "
                    "may be empty at first: the trainer has not saved yet).")] = False,
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
-    idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", help="With --watch: stop after this many "
+    interval: Annotated[float, typer.Option("--interval", metavar="SECONDS",
+                                            help="Seconds between looks at TRAIN_DIR with --watch.")] = 2.0,
+    idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", metavar="SECONDS", help="With --watch: stop after this many "
                          "seconds with no new checkpoint, counted from the start (a first checkpoint being written "
                          "is waited for); exit 1 if TRAIN_DIR never held one.")] = None,
     pattern: Annotated[Optional[str], typer.Option("--step-pattern", help="Regex whose first matching group is the step "
@@ -38,7 +39,7 @@ def publish(
     ready: Annotated[Literal["stable", "marker"], typer.Option("--ready", metavar="WHEN", help="When a checkpoint is complete: stable (its files unchanged for "
                      "--settle seconds, and again after reading it) or marker (a NAME.done file beside it, written by "
                      "the trainer once the checkpoint is closed).")] = "stable",
-    settle: Annotated[float, typer.Option("--settle", help="Seconds a checkpoint's files must be unchanged "
+    settle: Annotated[float, typer.Option("--settle", metavar="SECONDS", help="Seconds a checkpoint's files must be unchanged "
                       "before it is published (--ready stable).")] = 2.0,
     precision: Precision = "exact",
     codec: Codec = DEFAULT_CODEC,
