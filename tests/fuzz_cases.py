@@ -28,7 +28,7 @@ encoded again; then the patch is put back together with every offset,
 length, section checksum, `target.bytes` and the preamble checksum
 recomputed, so that the damage reaches the readers behind the checksums.
 
-Kinds: one per codec of `pulsediff.codecs.REGISTRY` (their sections),
+Kinds: one per codec of `pulsediff.codecs.CODEC_IDS` (their sections),
 `header` (the header's JSON fields, frame and preamble), `layout` (the
 layout blob and a folder's carried files), `checkpoint` (hostile safetensors
 given to make and to apply) and `manifest` (hostile series manifests given to
@@ -54,13 +54,13 @@ import numpy as np
 import xxhash
 import zstandard
 
-from pulsediff.codecs import REGISTRY
+from pulsediff.codecs import CODEC_IDS
 from pulsediff.io.dtypes import DTYPES
 from pulsediff.errors import InvalidCheckpointError, PulsediffError
 from pulsediff.format.container import MAGIC, PREAMBLE
 from reference import tree_hash_ref
 
-KINDS = (*REGISTRY, "header", "layout", "checkpoint", "manifest")
+KINDS = (*CODEC_IDS, "header", "layout", "checkpoint", "manifest")
 VERDICTS = ("refused", "accepted", "wrong", "asymmetric", "exception", "memory", "harness")
 FINDINGS = ("wrong", "asymmetric", "exception", "memory")  # of pulsediff; "harness": a bug of this module
 INDEX_NAME = "model.safetensors.index.json"
@@ -489,7 +489,7 @@ def compress(data: bytes, rng: random.Random | None = None) -> bytes:
 # -- mutations of values, bytes and JSON ------------------------------------------------
 
 
-VOCABULARY = [*DTYPES, "same", "patch", "full", *REGISTRY, "zstd", "file", "dir", "exact", "bf16",
+VOCABULARY = [*DTYPES, "same", "patch", "full", *CODEC_IDS, "zstd", "file", "dir", "exact", "bf16",
               "model.safetensors", INDEX_NAME, "config.json"]
 
 
@@ -1651,5 +1651,5 @@ def case_manifest(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) 
     assert is_digest(rebuilt)
 
 
-CASES = {**{codec: case_codec(codec) for codec in REGISTRY}, "header": case_header, "layout": case_layout,
+CASES = {**{codec: case_codec(codec) for codec in CODEC_IDS}, "header": case_header, "layout": case_layout,
          "checkpoint": case_checkpoint, "manifest": case_manifest}

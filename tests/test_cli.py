@@ -80,9 +80,11 @@ def test_stats_table_and_json(pair, tmp_path):
     table = run("stats", tmp_path / "p").stdout.decode()
     for word in ("density", "indices", "values", "bits per changed element", "ratio"):
         assert word in table
-    from_patch = json.loads(run("stats", tmp_path / "p", "--json").stdout)
+    from_patch = json.loads(run("stats", tmp_path / "p", "--json", "--values").stdout)
     from_pair = json.loads(run("stats", old, new, "--json").stdout)
     assert from_patch == from_pair
+    header_only = json.loads(run("stats", tmp_path / "p", "--json").stdout)
+    assert header_only == {**from_pair, "ulp_histogram": None}
     assert from_patch["changed"] == sum(t["changed"] for t in from_patch["per_tensor"])
     assert from_patch["patch_bytes"] == (tmp_path / "p").stat().st_size
     assert from_patch["header_bytes"] + from_patch["index_bytes"] + from_patch["value_bytes"] == from_patch["patch_bytes"]
@@ -223,11 +225,12 @@ def test_cli_default_codec_is_the_library_default():
 def test_stats_shows_ulp_histogram(pair, tmp_path):
     old, new = pair
     run("make", old, new, "-o", tmp_path / "p", "-q", "--codec", "ctx-rans")
-    s = json.loads(run("stats", tmp_path / "p", "--json").stdout)
+    s = json.loads(run("stats", tmp_path / "p", "--json", "--values").stdout)
     hist = s["ulp_histogram"]
     assert sum(hist.values()) == s["changed"]
+    assert json.loads(run("stats", tmp_path / "p", "--json").stdout)["ulp_histogram"] is None  # the header only
     run("make", old, new, "-o", tmp_path / "g", "-q", "--codec", "gap-zstd")
-    assert json.loads(run("stats", tmp_path / "g", "--json").stdout)["ulp_histogram"] is None
+    assert json.loads(run("stats", tmp_path / "g", "--json", "--values").stdout)["ulp_histogram"] is None
 
 
 def test_stdin_patch_onto_a_base_that_already_is_the_target(pair, tmp_path):

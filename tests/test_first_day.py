@@ -57,3 +57,30 @@ def test_a_relative_series_path_is_sent_to_the_engine_absolute(train, tmp_path, 
     target = resolve_target("out")
     assert target.request == {"source": str(tmp_path / "out"), "step": 2}
     assert resolve_target("http://127.0.0.1:1/x.pulsediff").request["source"] == "http://127.0.0.1:1/x.pulsediff"
+
+
+LIGHT = """
+import sys
+from pulsediff.cli.main import main
+try:
+    main(sys.argv[1:])
+finally:
+    heavy = sorted(m for m in ("numba", "numpy", "torch") if m in sys.modules)
+    print("loaded:", ",".join(heavy), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [("stats", "PATCH"), ("stats", "PATCH", "--json"), ("publish", "--help"),
+                                  ("catch-up", "--help"), ("make", "--help")])
+def test_light_commands_load_no_kernels(train, tmp_path, args):
+    """A header, a manifest or help needs neither Numba nor numpy: `stats PATCH` took 0.7-0.9 s for them.
+    (Times: scripts/bench_light.py; this pins the cause.)"""
+    import subprocess
+    import sys
+
+    patch = tmp_path / "p.pulsediff"
+    cli_run.run("make", train / "step_000000.safetensors", train / "step_000001.safetensors", "-o", patch, "-q")
+    argv = [str(patch) if a == "PATCH" else a for a in args]
+    proc = subprocess.run([sys.executable, "-c", LIGHT, *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "loaded:", proc.stderr

@@ -73,7 +73,7 @@ def check_patch_paths(patches: list, base: Path | None = None) -> None:
 
 def is_patch_file(path: Path) -> bool:
     """True for a file that starts with a patch's magic bytes."""
-    from pulsediff.io.checkpoint import PATCH_MAGIC
+    from pulsediff.io.names import PATCH_MAGIC
 
     try:
         with open(path, "rb") as f:
@@ -85,7 +85,7 @@ def is_patch_file(path: Path) -> bool:
 def checkpoint_kind(path: Path) -> str | None:
     """"safetensors" or "pickle" when the file starts like a checkpoint of that kind, else None
     (unreadable included: reading it as a patch will say what is wrong)."""
-    from pulsediff.io.checkpoint import looks_like_pickle, looks_like_safetensors
+    from pulsediff.io.names import looks_like_pickle, looks_like_safetensors
 
     try:
         with open(path, "rb") as f:

@@ -23,6 +23,9 @@ def stats(
     device: Device = "auto",
     plot: Annotated[Optional[Path], typer.Option("--plot", metavar="PNG", help="For a series: draw density and patch size per step, the k-step curve and the layer types into this PNG (needs matplotlib; an existing one is replaced only with -f).")] = None,
     step_pattern: Annotated[Optional[str], typer.Option("--step-pattern", metavar="REGEX", help="For a series: a regex whose first group is the step number in a checkpoint's name (default: as publish reads names).")] = None,
+    values: Annotated[bool, typer.Option("--values", help="For a patch: also decode its changed values, for a "
+                                         "histogram of |new - base| in ULPs (loads the kernels: about a decode's "
+                                         "time; without it only the header is read). A pair always has it.")] = False,
     force: Force = False,
     quiet: Quiet = False,
     as_json: Json = False,
@@ -38,11 +41,13 @@ def stats(
         return _series(first, precision, codec, device, plot, step_pattern, force, out)
     if plot is not None:
         raise UsageError("--plot is for a folder of checkpoints (a series)")
+    if values and second is not None:
+        raise UsageError("--values is for a patch file (the stats of a pair always decode the values)")
     if step_pattern is not None:
         raise UsageError("--step-pattern is for a folder of checkpoints (a series)")
     if second is None:
         _refuse_checkpoint_as_patch(first)
-        s = stats_of_patch_file(first)
+        s = stats_of_patch_file(first, values=values)
     else:
         s = stats_of_pair(first, second, precision=precision, codec=codec, device=device, progress=out.progress())
     if as_json:
@@ -72,7 +77,7 @@ def stats(
         out.table("changed values: |new - base| in units of the last place (bit-pattern distance)",
                   ["ULPs", "elements", "share"],
                   [(k, f"{v:,}", f"{100 * v / total:.2f}%") for k, v in s.ulp_histogram.items()], right=(1, 2))
-    elif s.changed:
+    elif s.changed and (values or second is not None):
         out.info("ULP histogram: only for codecs that store differences (--codec ctx-rans or ctx-ac)")
     rows = sorted(s.per_tensor, key=lambda t: (-t.bytes, t.name))
     if top > 0:
@@ -90,7 +95,7 @@ def stats(
 def _is_checkpoint_folder(folder: Path, step_pattern: Optional[str]) -> bool:
     """A folder that is one checkpoint, not a series of them: shards with their index, HF-named shards, or
     .safetensors files none of whose names carries a step number (a model folder's model.safetensors)."""
-    from pulsediff.io.checkpoint import INDEX_NAME
+    from pulsediff.io.names import INDEX_NAME
     from pulsediff.series.steps import DEFAULT_STEP_PATTERN, SHARD_NAME, step_in_name
 
     if (folder / INDEX_NAME).is_file():
@@ -107,7 +112,7 @@ def _is_checkpoint_folder(folder: Path, step_pattern: Optional[str]) -> bool:
 
 def _refuse_checkpoint_as_patch(path: Path) -> None:
     """A checkpoint given where a patch belongs: say so instead of "bad magic bytes"."""
-    from pulsediff.io.checkpoint import PICKLE_ADVICE
+    from pulsediff.io.names import PICKLE_ADVICE
     from pulsediff.cli.checks import checkpoint_kind
 
     kind = checkpoint_kind(path)

@@ -12,6 +12,7 @@ import numpy as np
 import zstandard
 
 from pulsediff.errors import CorruptPatchError
+from pulsediff.codecs.facts import facts_of
 from pulsediff.io.memory import Scratch  # noqa: F401  (part of the codec contract: decode's scratch)
 
 # Level 3 is zstd's default: on gaps and weight bits, higher levels gain under 2%
@@ -52,8 +53,7 @@ class Codec(ABC):
     a codec never imports a backend itself.
     """
 
-    id: str
-    needs_base: bool
+    id: str  # its entry in facts.FACTS says what its header-level methods below answer
 
     @abstractmethod
     def encode(self, base: np.ndarray | None, target: np.ndarray, positions: np.ndarray | None,
@@ -126,12 +126,16 @@ class Codec(ABC):
         section holds them without needing the base; None otherwise."""
         return None
 
+    @property
+    def needs_base(self) -> bool:
+        return facts_of(self.id).needs_base
+
     def changed_count(self, params: dict) -> int | None:
         """Changed elements the section carries, when the codec knows it without decoding."""
-        return None
+        return facts_of(self.id).changed_count(params)
 
     def index_bytes(self, params: dict) -> int:
-        return 0
+        return facts_of(self.id).index_bytes(params)
 
 
 # -- shared, checked helpers -------------------------------------------------
@@ -150,17 +154,6 @@ def cpu_if_none(kernels: ModuleType | None) -> ModuleType:
 
         kernels = get_backend("cpu")
     return kernels
-
-
-def uint_param(params: dict, key: str, default: int | None = None) -> int:
-    """A params field as a non-negative int, or -1 when it is missing or not one (callers refuse -1).
-
-    Header-level methods (changed_count, index_bytes) run before any section
-    is decoded, on params nobody has checked yet: JSON may hold a string, a
-    float, true or a list where a count belongs.
-    """
-    value = params.get(key, default)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
 
 
 # One compressor per thread: a ZstdCompressor must not be used by two threads at

@@ -28,7 +28,7 @@ import numpy as np
 from pulsediff.errors import CorruptPatchError
 from pulsediff.codecs import adaptive
 from pulsediff.kernels import entropy
-from pulsediff.codecs.base import Encoded, SectionContext, parse_uint, uint_param
+from pulsediff.codecs.base import Encoded, SectionContext, parse_uint
 from pulsediff.codecs.ctx_rans import (CtxRans, class_major, Entries, rice_parameters, values_executor,
                                        class_params)
 
@@ -177,6 +177,3 @@ class CtxAc(CtxRans):
         if status != entropy.OK:
             raise _damaged(ctx, "position", status)
         return _decode_values(counts[:listed], signs, values, count, ctx)
-
-    def index_bytes(self, params):
-        return uint_param(params, "position_bytes")

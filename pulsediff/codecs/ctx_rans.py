@@ -42,7 +42,7 @@ from numba import njit
 
 from pulsediff.errors import CorruptPatchError
 from pulsediff.kernels import entropy
-from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, to_host, uint_param
+from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, cpu_if_none, parse_uint, to_host
 
 # (shift, bits) of the exponent field: the class of a base element.
 CLASS_FIELDS = {
@@ -301,7 +301,6 @@ def _zigzag_deltas(base_at: np.ndarray, values: np.ndarray, width_bits: int) -> 
 
 class CtxRans(Codec):
     id = "ctx-rans"
-    needs_base = True
 
     def encode(self, base, target, positions, values, dtype=None, kernels=None) -> Encoded:
         kernels = cpu_if_none(kernels)
@@ -440,9 +439,6 @@ class CtxRans(Codec):
         zigzag = self._zigzag_values(payload, params, ctx).astype(np.uint64)
         return ((zigzag >> np.uint64(1)) ^ (np.uint64(0) - (zigzag & np.uint64(1)))).view(np.int64)
 
-    def changed_count(self, params):
-        return uint_param(params, "count")
-
     # The entropy layer, which ctx-ac replaces: everything above works on the entries it yields.
 
     @staticmethod
@@ -458,10 +454,6 @@ class CtxRans(Codec):
         """The zigzag deltas, class-major, with no base."""
         count, _, _, n_escapes, parts = _split(payload, params, ctx)
         return _decode_values(parts[2], parts[3], parts[4], count, n_escapes, ctx)
-
-    def index_bytes(self, params):
-        table, positions = uint_param(params, "table_bytes"), uint_param(params, "position_bytes")
-        return -1 if min(table, positions) < 0 else table + positions
 
 
 def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, shift: int, bits: int) -> Encoded:

@@ -15,7 +15,6 @@ from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, zstd_
 
 class FullZstd(Codec):
     id = "full-zstd"
-    needs_base = False
 
     def encode(self, base, target, positions, values, dtype=None, kernels=None) -> Encoded:
         return Encoded((zstd_compress(target),), {})

@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 
 from pulsediff.errors import CorruptPatchError
-from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, parse_choice, parse_uint, uint_param, zstd_compress, zstd_decompress_exact
+from pulsediff.codecs.base import Codec, Encoded, Scratch, SectionContext, parse_choice, parse_uint, zstd_compress, zstd_decompress_exact
 
 
 def gap_width(numel: int) -> int:
@@ -23,7 +23,6 @@ def gap_width(numel: int) -> int:
 
 class GapZstd(Codec):
     id = "gap-zstd"
-    needs_base = True
 
     def encode(self, base, target, positions, values, dtype=None, kernels=None) -> Encoded:
         width = gap_width(target.size)
@@ -54,9 +53,3 @@ class GapZstd(Codec):
         if kernels.scatter(out, positions, values):
             raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: changed positions are out of range")
         return out
-
-    def changed_count(self, params):
-        return uint_param(params, "count")
-
-    def index_bytes(self, params):
-        return uint_param(params, "gap_bytes")

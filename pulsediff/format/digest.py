@@ -34,10 +34,12 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-import numpy as np
 import xxhash
+
+if TYPE_CHECKING:  # numpy is imported where it is used: reading a header needs none
+    import numpy as np
 
 # Bytes per leaf of the tree hash; FORMAT.md §3 fixes it (kernels.cpu.DIGEST_CHUNK_BYTES is the same).
 TREE_CHUNK_BYTES = 1 << 18
@@ -53,6 +55,8 @@ class TensorId:
 
 def _raw(bits) -> np.ndarray:
     """A numpy array's bytes in C order, as a flat uint8 view (a copy only when not contiguous)."""
+    import numpy as np
+
     return np.ascontiguousarray(bits).reshape(-1).view(np.uint8)
 
 
@@ -68,6 +72,8 @@ class TreeHasher:
         self._nbytes = 0
 
     def update(self, data) -> None:
+        import numpy as np
+
         raw = _raw(np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data)
         n, at, chunk = raw.size, 0, self._chunk
         self._nbytes += n
@@ -140,6 +146,8 @@ def _tree_on_host(raw: np.ndarray, chunk: int, with_sum: bool) -> tuple[str, int
 def _root_of_rows(nbytes: int, rows) -> str:
     """tree_root from chunk_digests' rows of (low 64 bits, high 64 bits); the canonical form of a
     leaf is high then low, big-endian."""
+    import numpy as np
+
     leaves = np.asarray(rows, np.uint64).reshape(-1, 2)
     return tree_root(nbytes, np.ascontiguousarray(leaves[:, ::-1]).astype(">u8").tobytes())
 

@@ -11,8 +11,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
-from pulsediff.codecs import get_codec
+from pulsediff.io.names import PRECISIONS, is_plain_filename
+from pulsediff.codecs.facts import facts_of
 from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, is_digest, is_tensor_hash, is_word_sum, scheme_of, unknown_scheme
 from pulsediff.io.dtypes import DType, lookup
 from pulsediff.errors import CorruptPatchError, UnknownSchemeError
@@ -280,7 +280,7 @@ class _Parser:
         target_sum, base_sum = self.word_sums(obj, where, op)
         section = self.section(obj, where) if op != "same" else None
         if section is not None:
-            codec = get_codec(section.codec)
+            codec = facts_of(section.codec)
             if op == "patch" and not codec.needs_base:
                 raise self.fail(f"{where}: codec {section.codec!r} cannot patch")
             if op == "full" and codec.needs_base:  # it would be decoded with no base to decode against

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pulsediff.io import strict_json
 from pulsediff.io.atomic import StagedFiles
-from pulsediff.io.checkpoint import PRECISIONS, is_plain_filename
+from pulsediff.io.names import PRECISIONS, is_plain_filename
 from pulsediff.format.digest import DEFAULT_SCHEME, EMPTY_DIGESTS, DigestScheme, is_digest, scheme_of, unknown_scheme
 from pulsediff.errors import InvalidManifestError, OutsideLinkError
 

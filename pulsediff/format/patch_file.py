@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from pulsediff.codecs.base import SectionContext, zstd_decompress_exact
 from pulsediff.errors import ChainError, CheckpointNotFoundError, CorruptPatchError
 from pulsediff.format.container import PatchReader
 from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
-from pulsediff.io.checkpoint import INDEX_NAME
+from pulsediff.io.names import INDEX_NAME
 from pulsediff.io.folder_files import file_hash
 from pulsediff.io.safetensors_header import HeaderError, parse_header
 
@@ -105,6 +104,8 @@ def check_links(links: list[Link]) -> None:
 def read_layout(reader: PatchReader, header: PatchHeader, sequential: bool) -> bytes:
     layout = header.layout
     data = (reader.read_next if sequential else reader.read_section)(layout.section, "layout")
+    from pulsediff.codecs.base import SectionContext, zstd_decompress_exact  # numpy: not for reading a header
+
     blob = zstd_decompress_exact(data, layout.blob_len, SectionContext("<layout>", layout.blob_len, 1, reader.source), "layout")
     # Format 1.1: every byte of the target's files that is not tensor data is in the blob,
     # so with this check (and the tensor hashes) exact mode rebuilds the files byte for byte.

@@ -9,8 +9,11 @@ done on weights (except the BF16 cast of `--precision bf16`, which torch does).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,8 @@ class DType:
     @property
     def bits_dtype(self) -> np.dtype:
         """The unsigned integer type whose values are this type's bit patterns."""
+        import numpy as np  # not at import: reading a header needs no numpy
+
         return np.dtype(f"<u{self.itemsize}")
 
 

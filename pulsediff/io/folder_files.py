@@ -33,7 +33,7 @@ SKIP_HINT = "give --skip-unsupported to leave such files out of the patch"
 
 def is_carried_name(name: str) -> bool:
     """A name a patch may carry as a folder file: plain, visible, not a checkpoint file."""
-    from pulsediff.io.checkpoint import INDEX_NAME, is_plain_filename
+    from pulsediff.io.names import INDEX_NAME, is_plain_filename
 
     return (is_plain_filename(name) and not name.startswith(".") and not name.endswith(".safetensors")
             and name != INDEX_NAME and len(name.encode("utf-8", "surrogatepass")) <= 255)
@@ -60,7 +60,7 @@ def folder_files(ckpt, *, skip_unsupported: bool = False) -> FolderFiles:
     found = FolderFiles()
     if ckpt.kind != "dir":
         return found
-    from pulsediff.io.checkpoint import INDEX_NAME
+    from pulsediff.io.names import INDEX_NAME
 
     shards = {s.name for s in ckpt.shards}
     try:

@@ -6,9 +6,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
-from pulsediff.codecs import get_codec
+from pulsediff.codecs.facts import facts_of
 from pulsediff.format.header import PatchHeader
 
 
@@ -69,7 +67,7 @@ def patch_stats(header: PatchHeader, header_bytes: int) -> PatchStats:
         codec_id = None
         if rec.section is not None:
             codec_id = rec.section.codec
-            index = get_codec(codec_id).index_bytes(rec.section.params)
+            index = facts_of(codec_id).index_bytes(rec.section.params)
             value = rec.section.length - index
         per_tensor.append(TensorStats(
             rec.name, rec.dtype.name, list(rec.shape), rec.op, codec_id, rec.numel, rec.changed,
@@ -114,6 +112,9 @@ def _bucket_name(lo: int, hi: int) -> str:
 
 def ulp_histogram(reader, header: PatchHeader) -> dict[str, int] | None:
     """Histogram of |value difference| over the sections that store differences."""
+    import numpy as np
+
+    from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import SectionContext
 
     counts = np.zeros(len(ULP_BUCKETS), np.int64)
@@ -136,20 +137,22 @@ def ulp_histogram(reader, header: PatchHeader) -> dict[str, int] | None:
     return {_bucket_name(lo, hi): int(c) for (lo, hi), c in zip(ULP_BUCKETS, counts)}
 
 
-def _stats_from_stream(patch) -> PatchStats:
+def _stats_from_stream(patch, values: bool = True) -> PatchStats:
     from pulsediff.format.patch_file import open_patch
 
     reader, header, owned = open_patch(patch)
     try:
         s = patch_stats(header, reader.header_bytes)
-        return replace(s, ulp_histogram=ulp_histogram(reader, header))
+        return replace(s, ulp_histogram=ulp_histogram(reader, header)) if values else s
     finally:
         if owned:
             owned.close()
 
 
-def stats_of_patch_file(path: str | Path) -> PatchStats:
-    return _stats_from_stream(path)
+def stats_of_patch_file(path: str | Path, values: bool = True) -> PatchStats:
+    """The patch's statistics; with `values`, its changed values are decoded too, for the ULP histogram
+    (that loads the codecs' kernels; without it only the header is read, in milliseconds)."""
+    return _stats_from_stream(path, values)
 
 
 def stats_of_pair(old: str | Path, new: str | Path, **make_kwargs) -> PatchStats:
