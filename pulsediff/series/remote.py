@@ -602,6 +602,10 @@ class ObjectStoreSource(Store):
                     _remove_unlocked(self.cache / name)
             elif name.endswith(PATCH_SUFFIX) and not name.startswith(".") and (name in done or name not in listed):
                 (self.cache / name).unlink(missing_ok=True)
+        try:  # nothing left: no empty folder per source in the cache (only an empty one goes)
+            self.cache.rmdir()
+        except OSError:
+            pass
 
 
 @contextmanager
@@ -611,6 +615,12 @@ def _locked(part: Path):
     while True:
         try:
             fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the folder, emptied, was removed by another catch-up's forget: again
+            try:
+                part.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise FetchError(f"cannot create the cache folder {part.parent}: {exc.strerror or exc}") from None
+            continue
         except OSError as exc:
             raise FetchError(f"cannot write {part}: {exc.strerror or exc}") from None
         f = os.fdopen(fd, "r+b")
