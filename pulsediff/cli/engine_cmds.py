@@ -9,7 +9,7 @@ import typer
 
 from pulsediff.cli.options import Json, Quiet
 from pulsediff.cli.output import Output
-from pulsediff.errors import UsageError
+from pulsediff.errors import NotInSeriesError, PulsediffError, UsageError
 
 
 def vllm_sync(
@@ -49,21 +49,51 @@ def vllm_sync(
     client = ServerClient(server)
     if watch and step is not None:
         raise UsageError("--watch follows the newest step; leave out --step")
-    while True:
+    if not watch:
         result = sync_server(server, source, step=step, trust=trust or None, client=client, prepare_ahead=prepare_ahead,
                              force=force)
         if as_json:
             out.json({"status": result.status, "weight_version": result.version, "before": result.before,
-                      "seconds": round(result.seconds, 3), "prepared_ahead": round(result.prepared_ahead, 3)})
+                      "seconds": round(result.seconds, 3), "prepared_ahead": round(result.prepared_ahead, 3),
+                      "bytes": result.bytes, "lag": result.lag})
         elif result.status == "up-to-date":
-            if not watch:
-                out.info(f"{server} is already at {_shown(result.version)}")
+            out.info(f"{server} is already at {_shown(result.version)}")
         else:
             ahead = f", prepared {result.prepared_ahead:.1f} s before" if result.prepared_ahead else ""
             out.info(f"{server} is now at {_shown(result.version)} (was {result.before or 'unknown'}; "
                      f"generation paused {result.seconds:.2f} s{ahead})")
-        if not watch:
-            return
+        return
+    _follow(server, source, client, Output(quiet=quiet, as_json=as_json), interval, trust=trust or None,
+            prepare_ahead=prepare_ahead, force=force)
+
+
+# Refusals that no later look can change: a usage mistake, weights of another run.
+_FINAL = (UsageError, NotInSeriesError)
+
+
+def _follow(server: str, source: str, client, out: Output, interval: float, **kwargs) -> None:
+    """vllm-sync --watch: a line per step the server takes (its pause too), one per failed look, said once
+    until it changes; the server keeps serving its weights meanwhile. Ctrl-C ends it."""
+    from pulsediff.cli.output import step_record
+    from pulsediff.engines.vllm_client import sync_server
+
+    said = ""
+    while True:
+        start = time.perf_counter()
+        try:
+            result = sync_server(server, source, client=client, **kwargs)
+        except _FINAL:
+            raise
+        except PulsediffError as exc:
+            if str(exc) != said:
+                out.problem(server, f"keeps its weights: {exc}", {})
+                said = str(exc)
+        else:
+            said = ""
+            if result.status != "up-to-date":
+                step = int(result.version) if result.version.isdigit() else result.version
+                out.step(server, step_record(step, result.bytes, time.perf_counter() - start, result.lag,
+                                             pause=round(result.seconds, 3), before=result.before))
         time.sleep(interval)
 
 

@@ -90,6 +90,29 @@ class Output:
     def json(self, data: Any) -> None:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
+    def json_line(self, data: Any) -> None:
+        """One compact JSON object on a line of its own, flushed: a --watch's record for monitoring."""
+        sys.stdout.write(json.dumps(data, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+
+    def step(self, who: str, record: dict) -> None:
+        """A --watch's line for one step reached (publish, catch-up, vllm-sync alike), or its JSON line."""
+        if self.as_json:
+            self.json_line(record)
+        elif not self.quiet:
+            pause = f", generation paused {record['pause']:.2f} s" if "pause" in record else ""
+            lag = record["lag"]
+            behind = "at the newest" if lag == 0 else f"{plural(lag, 'step')} behind the newest"
+            self.err.print(f"{record['time']} {who} at step {record['step']}: {human_bytes(record['bytes'])} in "
+                           f"{record['seconds']:.2f} s, {behind}{pause}", soft_wrap=True, markup=False)
+
+    def problem(self, who: str, message: str, where: dict) -> None:
+        """A --watch's look that failed and is tried again: one line (a JSON line with --json)."""
+        if self.as_json:
+            self.json_line({"time": now_stamp(), **where, "problem": message})
+        elif not self.quiet:
+            self.err.print(f"{now_stamp()} {who}: {message}", soft_wrap=True, markup=False)
+
     def table(self, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = (),
               drop: Sequence[int] = ()) -> None:
         """A table that fits the terminal without cutting a value.
@@ -232,3 +255,15 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def now_stamp() -> str:
+    """The time for a --watch line: UTC, to the second, ISO 8601 ("2026-11-28T14:50:01Z")."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def step_record(step: int, nbytes: int, seconds: float, lag: int, **extra) -> dict:
+    """What a --watch says of one step reached: when, which, bytes moved, the time it took, steps behind."""
+    return {"time": now_stamp(), "step": step, "bytes": nbytes, "seconds": round(seconds, 3), "lag": lag, **extra}

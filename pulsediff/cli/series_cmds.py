@@ -7,7 +7,8 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from pulsediff.errors import PartialCatchUpError
+from pulsediff.errors import NotInSeriesError, OutputExistsError, PartialCatchUpError, PulsediffError, UsageError
+from pulsediff.runtime.progress import SILENT
 from pulsediff.cli.checks import check_output
 from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet, TrustState
 from pulsediff.cli.output import Output, plural
@@ -65,6 +66,13 @@ def publish(
     out = Output(quiet=quiet or as_json, as_json=as_json)
 
     def said(report) -> None:  # once per look that published something (a later one: steps that had to settle)
+        if watch:  # a line per step, as catch-up and vllm-sync --watch print theirs
+            from pulsediff.cli.output import step_record
+
+            newest = report.newest_found
+            for step, nbytes, seconds in report.made:
+                out.step(str(out_dir), step_record(step, nbytes, seconds, max(0, (newest or step) - step)))
+            return
         steps = report.steps
         which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
         out.info(f"published {which} into {out_dir}: {plural(report.patches, 'patch', 'patches')} and "
@@ -75,11 +83,11 @@ def publish(
                 pattern=pattern or DEFAULT_STEP_PATTERN, ready=ready, settle=settle, sign=sign, trust=trust or None,
                 trust_state=trust_state, progress=out.progress(), digest=digest, **({"dry_run": True} if dry_run else {}))
     if as_json:
-        out.json({"out_dir": str(out_dir), "steps": total.steps, "patches": total.patches, "anchors": total.anchors,
-                  "pruned": total.pruned,
-                  "pending": total.pending, "skipped": total.skipped,
-                  **({"dry_run": True, "would_write": total.would_write, "would_prune": total.would_prune}
-                     if dry_run else {})})
+        summary = {"out_dir": str(out_dir), "steps": total.steps, "patches": total.patches, "anchors": total.anchors,
+                   "pruned": total.pruned, "pending": total.pending, "skipped": total.skipped,
+                   **({"dry_run": True, "would_write": total.would_write, "would_prune": total.would_prune}
+                      if dry_run else {})}
+        (out.json_line if watch else out.json)(summary)  # a watch's stdout is JSON lines throughout
         return
     if dry_run:
         for name in total.would_write:
@@ -113,14 +121,33 @@ def catch_up(
     trust_state: TrustState = None,
     device: Device = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing OUT; in place, replace a "
-                     "CHECKPOINT that is no step of the series (another model, or a step it no longer keeps) with "
-                     "the newest step, rebuilt from an anchor.")] = False,
+                     "CHECKPOINT that is no step of the series (another run or model, or a step it no longer keeps) "
+                     "with the newest step, rebuilt from an anchor.")] = False,
+    step: Annotated[Optional[int], typer.Option("--step", metavar="N", min=0, help="Go to this step, not the newest "
+                    "(an earlier one too: it is rebuilt from an anchor).")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Keep following SOURCE: look again every --interval seconds "
+                                        "and print a line per step reached; a failed look (a broken or missing "
+                                        "file, a source that cannot be reached) is said in one line, CHECKPOINT "
+                                        "stays at its step, and the next look tries again.")] = False,
+    interval: Annotated[float, typer.Option("--interval", metavar="SECONDS", min=0.1,
+                                            help="With --watch: seconds between looks.")] = 2.0,
+    idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", metavar="SECONDS", min=0, help="With --watch: "
+                         "stop after this many seconds without a new step.")] = None,
     quiet: Quiet = False,
     as_json: Json = False,
 ) -> None:
     """Bring a checkpoint to the newest published step by the cheapest intact chain."""
     from pulsediff.series.catch_up import catch_up as run
 
+    if watch:
+        if step is not None:
+            raise UsageError("--watch follows the newest step; leave out --step")
+        if plan:
+            raise UsageError("--plan looks once; it does not go with --watch")
+        if output is not None and not _same_file(output, checkpoint):
+            raise UsageError("--watch keeps CHECKPOINT itself at the newest step; leave out -o")
+    elif idle_exit is not None:
+        raise UsageError("--idle-exit is for --watch")
     if output is not None and not plan and not _same_file(output, checkpoint):
         from pulsediff.series.catch_up import refuse_other_kind
 
@@ -131,15 +158,18 @@ def catch_up(
         from pulsediff.series.catch_up import plan_catch_up
 
         planned = plan_catch_up(checkpoint, patch_dir, trust=trust or None, trust_state=trust_state,
-                                force=force, out=output)
+                                force=force, out=output, step=step)
         if as_json:
             out.json({"step": planned.step, "files": planned.files, "urls": planned.urls, "from_anchor": planned.from_anchor})
             return
         for where in planned.urls:
             out.line(where)
         return
+    if watch:
+        return _follow(checkpoint, patch_dir, out, interval, idle_exit, device=device, cache=cache, force=force,
+                       trust=trust or None, trust_state=trust_state)
     result = run(checkpoint, patch_dir, output, device=device, cache=cache, progress=out.progress(), force=force,
-                 trust=trust or None, trust_state=trust_state)
+                 trust=trust or None, trust_state=trust_state, step=step)
     if as_json:
         out.json({"output": str(result.output), "status": result.status, "step": result.step,
                   "newest": result.newest, "files": result.files, "from_anchor": result.from_anchor,
@@ -164,6 +194,47 @@ def catch_up(
             out.info(f"skipped {name}: {result.problems.get(name, 'missing or damaged')}")
     if result.status == "partial":
         raise PartialCatchUpError(str(result.output), result.step, result.newest, result.stopped)
+
+
+# Refusals that no later look can change: a usage mistake, a checkpoint of another run, an existing output.
+_FINAL = (UsageError, NotInSeriesError, OutputExistsError)
+
+
+def _follow(checkpoint: Path, source: str, out: Output, interval: float, idle_exit: float | None, **kwargs) -> None:
+    """catch-up --watch: the checkpoint kept at the newest step, a line per step reached, one per failed look
+    (said once until it changes, or the series is whole again); Ctrl-C or --idle-exit ends it."""
+    import time
+
+    from pulsediff.cli.output import step_record
+    from pulsediff.series.catch_up import catch_up as run
+
+    last_change = time.monotonic()
+    said = ""
+    at = None  # the step the checkpoint is at, once known
+    while True:
+        start = time.perf_counter()
+        try:
+            result = run(checkpoint, source, None, progress=out.progress() if not out.as_json else SILENT, **kwargs)
+        except _FINAL:
+            raise
+        except PulsediffError as exc:
+            message = f"stays at step {at}" if at is not None else "stays as it is"
+            if str(exc) != said:
+                out.problem(str(checkpoint), f"{message}: {exc}", {"step": at})
+                said = str(exc)
+        else:
+            at = result.step
+            if result.status != "up-to-date":
+                last_change = time.monotonic()
+                out.step(str(checkpoint), step_record(result.step, result.bytes, time.perf_counter() - start,
+                                                      result.newest - result.step, files=result.files))
+            stopped = f"stopped short of step {result.newest}: {result.stopped}" if result.status == "partial" else ""
+            if stopped and stopped != said:
+                out.problem(str(checkpoint), stopped, {"step": at})
+            said = stopped
+        if idle_exit is not None and time.monotonic() - last_change >= idle_exit:
+            return
+        time.sleep(interval)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -44,6 +44,21 @@ class Target:
     step: int | None  # None for a lone patch file
     version: str  # the weight version the engine gets
     request: dict  # update_weights' update_info
+    newest: int | None = None  # the series' newest step when it was read
+    manifest: object = None  # the series' Manifest as read (None for a patch file): what a move will fetch
+
+    def chain_bytes(self, version: str) -> int:
+        """The bytes of the files a worker at weight version `version` fetches to reach this target
+        (the cheapest chain, as the workers plan it; from an anchor when that version is no listed step)."""
+        from pulsediff.format.manifest import cheapest_paths
+
+        if self.manifest is None or self.step is None:
+            return 0
+        entries = self.manifest.entries
+        have = next((e.target for e in entries if version.isdigit() and e.step == int(version)), None)
+        goal = next(e.target for e in entries if e.step == self.step)
+        paths = cheapest_paths(entries, have)
+        return sum(e.bytes for e in paths.path_to(goal)) if paths.reaches(goal) else 0
 
 
 def resolve_target(source: str, step: int | None = None, trust=None, trust_state=None, force: bool = False) -> Target:
@@ -89,7 +104,7 @@ def resolve_target(source: str, step: int | None = None, trust=None, trust_state
     finally:
         store.close()
     request["step"] = entry.step  # the workers move to this step even if a newer one appears meanwhile
-    return Target(entry.step, str(entry.step), request)
+    return Target(entry.step, str(entry.step), request, manifest.newest.step, manifest)
 
 
 def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_state=None,
@@ -225,6 +240,8 @@ class SyncResult:
     before: str
     seconds: float  # how long generation was paused
     prepared_ahead: float = 0.0  # seconds between the preparation's start and the pause (0: not prepared)
+    bytes: int = 0  # what each worker fetched (the chain's files; 0 for a lone patch file or no move)
+    lag: int = 0  # steps between the one reached and the series' newest when it was read
 
 
 def sync_server(url: str, source: str, *, step: int | None = None, trust=None, trust_state=None,
@@ -270,5 +287,6 @@ def sync_server(url: str, source: str, *, step: int | None = None, trust=None, t
             raise PulsediffError(f"{exc}; and the server could not be resumed: {also}") from None
         raise
     client.call("POST", "/resume")
+    lag = target.newest - target.step if target.newest is not None and target.step is not None else 0
     return SyncResult("updated", target.version, before, time.perf_counter() - start,
-                      0.0 if prepared_at is None else start - prepared_at)
+                      0.0 if prepared_at is None else start - prepared_at, target.chain_bytes(before), lag)

@@ -57,6 +57,7 @@ class CatchUpResult:
     newest: int | None = None  # the newest published step
     stopped: str = ""  # "partial": why the newest step was not reached
     replaced: bool = False  # the checkpoint was no step of the series, and was replaced from an anchor (force)
+    bytes: int = 0  # the chain's files (fetched, for a remote source)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ def _goals(manifest: Manifest, have: str | None) -> list[tuple[int, str]]:
 
 
 def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress: Progress = SILENT, trust=None,
-                  trust_state: Path | None = None, force: bool = False, out: Path | None = None) -> CatchUpPlan:
+                  trust_state: Path | None = None, force: bool = False, out: Path | None = None,
+                  step: int | None = None) -> CatchUpPlan:
     """The files catch-up would apply, judged from the manifest alone (the files need not be here).
 
     For fetching only what is needed: a worker that mirrors the whole folder
@@ -130,14 +132,14 @@ def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress
     --files-from`), its URL for a remote source. `trust`: as catch_up's (the
     rollback record is checked, not written); `force` and `out`: as
     catch_up's (a checkpoint that is no step of the series is planned from an
-    anchor with force in place, refused otherwise, as the run would be).
+    anchor with force in place, refused otherwise, as the run would be); `step` too.
     """
     from pulsediff.series.signing import as_trust
 
     trust = as_trust(trust, trust_state)
     source = series_source(patch_dir)
     manifest, _, have = _where_we_are(checkpoint, source, progress, trust, record=False)
-    newest = manifest.newest
+    newest = step_entry(manifest, step, source.location)
     if have == newest.target:
         return CatchUpPlan(newest.step, [], False)
     if have is not None and not _in_series(manifest, have):
@@ -151,12 +153,13 @@ def plan_catch_up(checkpoint: Path, patch_dir: "Path | str | Store", *, progress
 
 def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None = None, *, device: str | None = None,
              cache: Path | None = None, progress: Progress = SILENT, force: bool = False, trust=None,
-             trust_state: Path | None = None) -> CatchUpResult:
+             trust_state: Path | None = None, step: int | None = None) -> CatchUpResult:
     """Bring `checkpoint` (or a new `out`) to the newest step published at `patch_dir`: a folder, an
     `s3://bucket/prefix` or `http(s)://` URL (files are fetched into `cache`), or a Store. An existing
     `out` (other than `checkpoint`) is refused unless `force`. A `checkpoint` that is no step of the
     series (another model, or a step older than those it keeps) raises NotInSeriesError rather than be
-    replaced from an anchor, unless `force` and no other `out`.
+    replaced from an anchor, unless `force` and no other `out`. `step`: go to that step instead (an
+    earlier one too: asked for, it is rebuilt from an anchor), never to a later one.
 
     `trust`: public keys (`ed25519:...` lines, files of them, or a signing.Trust). Then the manifest must
     be signed by one of them and not older than the newest accepted before from this source under any
@@ -176,7 +179,7 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
     # own cache): a file the folder's writer swaps after its check is never the one applied.
     private = PrivateCopies(cache) if trust is not None and not source.remote else None
     try:
-        return _catch_up(checkpoint, source, out, device, progress, trust, private, force)
+        return _catch_up(checkpoint, source, out, device, progress, trust, private, force, step)
     finally:
         if private is not None:
             private.close()
@@ -186,11 +189,11 @@ def catch_up(checkpoint: Path, patch_dir: "Path | str | Store", out: Path | None
 
 def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | None,
               progress: Progress, trust=None, private: "PrivateCopies | None" = None,
-              force: bool = False) -> CatchUpResult:
+              force: bool = False, step: int | None = None) -> CatchUpResult:
     from pulsediff.ops.apply import apply_chain
 
     manifest, ids, have = _where_we_are(checkpoint, source, progress, trust)
-    newest = manifest.newest
+    newest = step_entry(manifest, step, source.location)  # the step asked for, or the newest
     out_path = out or checkpoint
     where = _shown(source, MANIFEST)
 
@@ -220,8 +223,8 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
     if stranger:
         _refuse_stranger(checkpoint, source, manifest, out, force)
     problems = source.known_problems(manifest.entries)
-    goal, chain = _intact_chain(manifest, have, [d for _, d in _goals(manifest, have)], source, check, problems,
-                                progress)
+    goals = [newest.target] if step is not None else [d for _, d in _goals(manifest, have)]
+    goal, chain = _intact_chain(manifest, have, goals, source, check, problems, progress)
     if goal is None:
         raise PulsediffError(f"cannot reach any newer step from {checkpoint}: no intact chain in {source.location}"
                              + (f" ({_describe(problems)})" if problems else ""))
@@ -243,7 +246,7 @@ def _catch_up(checkpoint: Path, source: Store, out: Path | None, device: str | N
     problems = {f: why for f, why in problems.items() if why != "missing" or f in expected}
     stopped = "" if status == "applied" else _stopped(problems, expected, newest.step)
     return CatchUpResult(status, out_path, step, [e.file for e in chain], from_anchor, sorted(problems), problems,
-                         newest.step, stopped, stranger)
+                         newest.step, stopped, stranger, sum(e.bytes for e in chain))
 
 
 def _stopped(problems: dict[str, str], planned: list[str], newest: int) -> str:

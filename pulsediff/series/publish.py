@@ -58,6 +58,8 @@ class PublishReport:
     would_write: list[str] = field(default_factory=list)  # dry run: the files a real run would publish, in order
     would_prune: list[str] = field(default_factory=list)  # dry run: the files --keep would delete
     found: int = 0  # checkpoints in the training folder, published or not (those skipped not counted)
+    made: list[tuple[int, int, float]] = field(default_factory=list)  # (step, bytes written, seconds) per step
+    newest_found: int | None = None  # the newest step named in the training folder (complete or not)
 
     @property
     def settling(self) -> bool:
@@ -241,6 +243,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
             planned_kinds.extend((kind, step, name) for kind, name, _, _ in planned)
             continue
         staged: list[tuple[Path, str]] = []
+        started = time.perf_counter()
         staging = dest.staging()
         try:
             new_entries = []
@@ -269,6 +272,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         report.patches += sum(e.kind == "patch" for e in new_entries)
         report.anchors += sum(e.kind == "anchor" for e in new_entries)
         report.steps.append(step)
+        report.made.append((step, sum(e.bytes for e in new_entries), time.perf_counter() - started))
         steps_done.append(step)
         digest_at[step] = new_entries[0].target
         prev, last_step = path, step
@@ -278,6 +282,7 @@ def _publish_once(train_dir: Path, dest: Store, *, anchor_every, keep, skips, pr
         # would be "up to date" with this series, and a worker on that run rebuilt to this one's weights.
         _check_same_run(train_dir, paths, digest_at, dest, precision, manifest.scheme, progress)
     report.found = len(candidates) - len(report.skipped)
+    report.newest_found = candidates[-1][0] if candidates else None
     if not report.found:
         # An empty folder is a watch's normal start, and normal once DEST holds what it had (a trainer
         # that deletes what was published); one that is itself a checkpoint is refused even then.
@@ -418,9 +423,10 @@ def _publish_loop(train_dir, dest: Store, watch, interval, idle_exit, on_report,
     last_change = started if published_before else None
     while True:
         report = publish_once(train_dir, dest, empty_ok=watch, **kwargs)
-        for name in ("patches", "anchors", "pruned", "steps"):
+        for name in ("patches", "anchors", "pruned", "steps", "made"):
             setattr(total, name, getattr(total, name) + getattr(report, name))
         total.pending, total.skipped, total.found = report.pending, report.skipped, report.found
+        total.newest_found = report.newest_found
         if report.patches or report.anchors:
             last_change = time.monotonic()
             if on_report:
