@@ -218,6 +218,8 @@ def _save(model: TinyDecoder, out_dir: Path, step: int, save_fp32: bool, config:
         path = out_dir / STEP_NAME.format(step).removesuffix(".safetensors")
         path.mkdir(exist_ok=True)
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, text in example_tokenizer(config["vocab_size"]).items():
+            (path / name).write_text(text)
         path = path / "model.safetensors"
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(path), metadata=_METADATA)
     if config is not None:
@@ -320,6 +322,20 @@ def llama_config(vocab: int, d_model: int, n_layers: int, n_heads: int, d_ff: in
             "num_attention_heads": n_heads, "num_key_value_heads": n_heads, "hidden_act": "silu",
             "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+
+
+def example_tokenizer(vocab: int) -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json for the example's tokens: token i is the word "w<i>", words
+    split at spaces, so an engine serving a step can be asked in text ("w1 w2 w3") and answers in it. A
+    WordLevel model written as JSON (the `tokenizers` format), with no special tokens: decoding keeps every
+    token; a word outside the vocabulary reads as w0. The chat template joins the messages' contents."""
+    model = {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(vocab)}, "unk_token": "w0"}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+                 "model": model}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048,
+              "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}
+    return {"tokenizer.json": json.dumps(tokenizer) + "\n", "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
 def fp32_path_for(bf16_path: str | Path) -> Path:

@@ -115,3 +115,13 @@ def test_step_progress_lines(capsys):
         for i in range(1, 26):
             bar.update(i)
     assert capsys.readouterr().err == ""
+
+
+def test_example_model_folders_ship_a_tokenizer_that_transformers_loads(tmp_path):
+    """A server of the example model can be asked in text (issue 48: vllm serve died on a missing tokenizer)."""
+    transformers = pytest.importorskip("transformers")
+    make_example_series(tmp_path / "t", steps=1, **{**TINY, "warmup_steps": 1}, model_folders=True)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "t" / "step_000001")
+    assert tok("w1 w2 w255").input_ids == [1, 2, 255]
+    assert tok.decode([0, 7, 255]) == "w0 w7 w255" and tok.all_special_ids == []
+    assert len(tok) == TINY["vocab"]

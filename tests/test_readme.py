@@ -98,78 +98,54 @@ def shell_block(after_heading: str) -> str:
     return re.search(r"```\n(.*?)```", section, re.S).group(1)
 
 
-def test_series_block_runs_as_written(tmp_path):
-    """The rsync series block, pasted into bash in a fresh folder: every line succeeds, the worker ends at step 4
-    bit for bit, the plot is drawn, and it takes at most 3x the demo's time. Its `pip install` line is left out
-    (the test environment has the extras; a test does not install packages)."""
-    if shutil.which("rsync") is None:
-        pytest.skip("rsync is not installed")
-    block = shell_block("## Checkpoint series")
+def block_lines(after_heading: str) -> list[str]:
+    """A shell block's lines but its `pip install` line (the test environment has the extras; a test does not
+    install packages)."""
+    block = shell_block(after_heading)
     lines = [line for line in block.splitlines() if not line.startswith("pip install")]
     assert len(lines) == len(block.splitlines()) - 1
-    bin_dir = str(Path(sys.executable).parent)  # this interpreter's python and pulsediff come first
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    start = time.monotonic()
-    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=10 * DEMO_SECONDS)
-    took = time.monotonic() - start
-    assert proc.returncode == 0, proc.stderr
-    assert "worker is at step 4, bit for bit" in proc.stdout
-    assert (tmp_path / "series.png").stat().st_size > 0
-    assert took <= 3 * DEMO_SECONDS, f"{took:.0f} s"
+    return lines
 
 
-def test_s3_block_runs_as_written(tmp_path):
-    """The S3 and HTTP block, pasted into bash in a fresh folder with rclone and obstore installed: both workers
-    end at step 4 bit for bit, within 3x the demo's time. Its `pip install` line is left out, as above; the
-    rclone servers it starts are stopped whatever happens."""
+def test_shell_blocks_run_in_sequence_in_one_folder(tmp_path):
+    """The series, S3 and signed-series blocks, pasted into bash one after the other in one fresh folder, as a
+    reader tries them: each block's own files (no block trips over another's train/ or outbox/), every line
+    succeeds, each worker ends at step 4 bit for bit, and each block takes at most 3x the demo's time. The
+    rclone servers the S3 block starts are stopped whatever happens; caches and the rollback record stay in
+    the test's folder."""
     import socket
 
     pytest.importorskip("obstore")
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    if shutil.which("rclone", path=env["PATH"]) is None:
-        pytest.skip("rclone is not installed")
-    for port in (9000, 8080):  # the block's own addresses
+    pytest.importorskip("cryptography")
+    bin_dir = str(Path(sys.executable).parent)  # this interpreter's python and pulsediff come first
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {"PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+            "XDG_STATE_HOME": str(tmp_path / "state")}
+    for tool in ("rsync", "rclone"):
+        if shutil.which(tool, path=env["PATH"]) is None:
+            pytest.skip(f"{tool} is not installed")
+    for port in (9000, 8080):  # the S3 block's own addresses
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 pytest.skip(f"port {port} is in use")
-    block = shell_block("## Series over S3 and HTTP")
-    lines = [line for line in block.splitlines() if not line.startswith("pip install")]
-    env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
-    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # catch-up's download cache: not the user's
-    start = time.monotonic()
-    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=10 * DEMO_SECONDS)
-    finally:
+    blocks = [("## Checkpoint series", "worker is at step 4, bit for bit"),
+              ("## Series over S3 and HTTP", "both workers at step 4, bit for bit"),
+              ("## Signed series", "worker is at step 4, signed by trainer.pub")]
+    for heading, said in blocks:
+        start = time.monotonic()
+        proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", "\n".join(block_lines(heading))], cwd=tmp_path,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            os.killpg(proc.pid, 9)  # rclone, if the block stopped before its `kill`
-        except ProcessLookupError:
-            pass
-    took = time.monotonic() - start
-    assert proc.returncode == 0, err
-    assert "both workers at step 4, bit for bit" in out
-    assert took <= 3 * DEMO_SECONDS, f"{took:.0f} s"
-
-
-def test_signed_series_block_runs_as_written(tmp_path):
-    """The signed-series block, pasted into bash in a fresh folder: keygen, publish --sign, catch-up --trust,
-    the worker at step 4 bit for bit. Its `pip install` line is left out, as above; the rollback record goes
-    to the test's folder."""
-    pytest.importorskip("cryptography")
-    block = shell_block("## Signed series")
-    lines = [line for line in block.splitlines() if not line.startswith("pip install")]
-    assert len(lines) == len(block.splitlines()) - 1
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-           "XDG_STATE_HOME": str(tmp_path / "state")}
-    start = time.monotonic()
-    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=10 * DEMO_SECONDS)
-    took = time.monotonic() - start
-    assert proc.returncode == 0, proc.stderr
-    assert "worker is at step 4, signed by trainer.pub" in proc.stdout
+            out, err = proc.communicate(timeout=10 * DEMO_SECONDS)
+        finally:
+            try:
+                os.killpg(proc.pid, 9)  # rclone, if the block stopped before its `kill`
+            except ProcessLookupError:
+                pass
+        took = time.monotonic() - start
+        assert proc.returncode == 0, (heading, err)
+        assert said in out, heading
+        assert took <= 3 * DEMO_SECONDS, f"{heading}: {took:.0f} s"
+    assert (tmp_path / "series.png").stat().st_size > 0
     assert (tmp_path / "signed" / "manifest.json.sig").is_file()
-    assert took <= 3 * DEMO_SECONDS, f"{took:.0f} s"

@@ -15,6 +15,7 @@ with PULSEDIFF_REQUIRE_VLLM=1, which turns a missing vLLM into a failure instead
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -318,23 +319,56 @@ def test_vllm_sync_moves_a_running_server_and_refuses_without_touching_it(qwen2,
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_readme_block_runs_as_written(tmp_path):
-    """README.md's vLLM block, pasted into bash in a fresh folder (its `pip install` line left out: this venv
-    has vLLM): the engine moves through the example series and answers as a fresh engine on the last step."""
+def readme_block(heading: str, nth: int = 0) -> list[str]:
+    """The lines of README.md's `nth` shell block after `heading`, but its `pip install` lines (this venv has
+    what they install)."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Straight into a vLLM engine"):]
-    block = section[section.index("```\n") + 4:]
-    block = block[:block.index("```\n")]
-    lines = [line for line in block.splitlines() if not line.startswith("pip install")]
-    assert len(lines) == len(block.splitlines()) - 1
+    section = readme[readme.index(heading):]
+    for _ in range(nth + 1):
+        section = section[section.index("```\n") + 4:]
+        block, section = section[:section.index("```\n")], section[section.index("```\n") + 4:]
+    return [line for line in block.splitlines() if not line.startswith("pip install")]
+
+
+def test_readme_blocks_run_as_written_in_one_folder(tmp_path):
+    """README.md's blocks pasted into bash one after the other in one fresh folder, as a reader tries them: the
+    rsync series block (without its plot, which needs matplotlib), then the vLLM block (the engine moves through
+    the example series and answers as a fresh engine on the last step), then the `vllm serve` block exactly as
+    written (the server starts, vllm-sync moves it, it answers a text prompt), no block tripping over another's
+    files."""
+    import socket
+
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", 8000)) == 0:
+            pytest.skip("port 8000, the serve block's, is in use")
+    series = [line for line in readme_block("## Checkpoint series") if "--plot" not in line]
+    engine, serve = readme_block("## Straight into a vLLM engine"), readme_block("**A running `vllm serve`.**")
+    assert any(line.startswith("export VLLM_TARGET_DEVICE") for line in engine) and "kill $SERVE" in serve[-1]
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(lines)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    said = [line for line in proc.stdout.splitlines() if line.startswith("engine at step")]  # amid vLLM's logs
+    script = "\n".join(series + engine + serve)
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the server, if the block stopped before its `kill`
+        except ProcessLookupError:
+            pass
+    log = (tmp_path / "serve.log").read_text() if (tmp_path / "serve.log").exists() else ""
+    assert proc.returncode == 0, err[-4000:] + log[-3000:]
+    lines = out.splitlines()
+    assert "worker is at step 4, bit for bit" in lines
+    said = [line for line in lines if line.startswith("engine at step")]  # amid vLLM's logs
     assert said == ["engine at step 1", "engine at step 3"]
-    assert "same tokens and logprobs as a fresh engine on step 3" in proc.stdout
+    assert "same tokens and logprobs as a fresh engine on step 3" in out
+    assert "http://127.0.0.1:8000 is now at step 2" in err
+    at = next(i for i, line in enumerate(lines) if line.startswith('{"weight_version"'))
+    assert json.loads(lines[at])["weight_version"] == "2"
+    assert re.fullmatch(r"( ?w\d+){8}", lines[at - 1]), lines[at - 1]  # 8 words of the example's vocabulary
+    assert "Traceback" not in log and "step 2 verified and decoded" in log
+    assert "RotaryEmbedding: Failed to load weights" not in log or "the rotary cache is computed" in log
 
 
 def test_bench_vllm_runs_and_reports_every_row(tmp_path):

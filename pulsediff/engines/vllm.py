@@ -115,6 +115,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self.state: HostState | None = None
         self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
+        self.reload_explained = False  # the one line on vLLM's rotary warning at a reload is said (load)
         self.last_prepared = False  # whether the last update went on from a preparation ("prepare")
         self.timings: dict[str, float] = {}  # the last update's seconds: verify_decode, load
         self._state_lock = threading.Lock()  # one read of the host state, whoever asks first
@@ -330,6 +331,11 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             try:
                 reload_weights(self.vllm_config, self.model, weights_iterator=iter(state.tensors.items()),
                                weights_path=None, is_checkpoint_format=True)
+                if not self.reload_explained and any(type(m).__name__ == "RotaryEmbedding" for m in self.model.modules()):
+                    self.reload_explained = True
+                    logger.info("pulsediff: vLLM's reload says 'RotaryEmbedding: Failed to load weights' at every "
+                                "update (its own reload_weights from disk does too): the rotary cache is computed, "
+                                "in no checkpoint, and vLLM puts it back as it was; nothing is wrong")
             finally:
                 # vLLM's loaders were handed the host tensors themselves (a copy would cost the model's
                 # size): nothing then vouches that none wrote into one, so the next update's base check
