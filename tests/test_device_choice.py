@@ -179,12 +179,17 @@ def test_no_numba_warning_leaves_a_kernel_call():
     assert [str(w.message) for w in seen] == ["a user's own warning"]
 
 
-def test_cli_on_cuda_prints_nothing_but_its_result(pair, tmp_path):
+def test_cli_on_cuda_prints_nothing_but_its_result(tmp_path):
     """Kernels run through the CLI under `--device cuda -q`: stderr stays empty (no Numba
     warning, no simulator overflow warning). On a machine with a usable GPU the child uses it
     (the simulator is for machines without one: on a GPU host's many threads it hung); elsewhere
-    the simulator."""
-    old, new = pair
+    the simulator, on a pair small enough for it (2,048 elements: the module's pair took 145 s)
+    that still runs every kernel of make and apply, on grids too small for the GPU (what Numba
+    warns about)."""
+    rng = np.random.default_rng(27)
+    base = {"w": random_tensor(rng, "BF16", (64, 32)), "b": random_tensor(rng, "F32", (64,))}
+    old = save(base, tmp_path / "old.safetensors")
+    new = save({"w": mutate(rng, base["w"], 0.02), "b": base["b"]}, tmp_path / "new.safetensors")
     on_gpu = kernels.cuda_usable() == (True, "gpu")
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0" if on_gpu else "1"}
     for args in (["make", old, new, "-o", tmp_path / "p"], ["apply", old, tmp_path / "p", "-o", tmp_path / "o"]):

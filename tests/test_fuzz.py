@@ -11,7 +11,7 @@ A failure names its kind and seed; replay it with
 
 The long campaign (>= 100,000 cases in worker processes, with timeouts,
 memory limits and SIGKILL trials) is scripts/fuzz_campaign.py; its figures
-are in docs/BENCHMARKS.md, "Robustness (fuzz campaign)".
+are in docs/benchmarks-log.md, "Robustness (fuzz campaign)".
 """
 
 from __future__ import annotations

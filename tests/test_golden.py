@@ -21,8 +21,22 @@ CASES = [(version, name, spec) for version in sorted(p for p in GOLDEN.iterdir()
          for name, spec in json.loads((version / "expected.json").read_text()).items()]
 
 
-@pytest.mark.parametrize("folder,patch,spec", CASES, ids=[f"{v.name}/{n}" for v, n, _ in CASES])
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+# Under the CUDA simulator a golden base of more than this many bytes takes minutes (v1.4's 284 KB base, with a
+# tensor of two hash chunks: 110 s a patch, where the others take 7 s): those cases run in the slow tier
+# (`pytest -m slow`, which .ci/run runs too); the CPU applies every golden patch in the default one.
+SIMULATOR_BASE_BYTES = 64 << 10
+
+
+def _cases(device: str) -> list:
+    def heavy(folder, spec) -> bool:
+        base = folder / spec["base"]
+        return device == "cuda" and base.is_file() and base.stat().st_size > SIMULATOR_BASE_BYTES
+
+    return [pytest.param(device, v, n, spec, id=f"{device}-{v.name}/{n}",
+                         marks=[pytest.mark.slow] if heavy(v, spec) else []) for v, n, spec in CASES]
+
+
+@pytest.mark.parametrize("device,folder,patch,spec", _cases("cpu") + _cases("cuda"))
 def test_golden_patch_applies(tmp_path, folder, patch, spec, device):
     if device == "cuda":
         from pulsediff.kernels import cuda_usable

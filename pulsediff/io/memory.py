@@ -3,7 +3,7 @@
 On the VM these tools were measured on, fresh memory is expensive: filling
 1 GiB of new `np.empty` memory page by page took 0.2 to 2.8 s (medians 1.0
 and 1.9 s in two runs), against 0.5 s for a buffer whose pages were mapped in
-one call (docs/BENCHMARKS.md, "Memory
+one call (docs/benchmarks-log.md, "Memory
 and writes"; scripts/bench_memory.py), and `cp` of a 1 GB checkpoint takes
 0.37 s. Linux (5.14+) can map a whole range in one call
 (MADV_POPULATE_WRITE / MADV_POPULATE_READ), and large anonymous buffers can
