@@ -303,6 +303,14 @@ def test_vllm_sync_moves_a_running_server_and_refuses_without_touching_it(qwen2,
         assert "links, prepared ahead)" in log.read_text()
         again = pulsediff("vllm-sync", url, outbox)
         assert again.returncode == 0 and f"already at step {STEPS}" in again.stderr
+        # --watch from step 1 (asked back, which needs no -f: a listed step) to the newest: one JSON line per step.
+        back = pulsediff("vllm-sync", url, outbox, "--step", "1")
+        assert back.returncode == 0 and version(url) == "1", back.stderr
+        watched = pulsediff("vllm-sync", url, outbox, "--watch", "--interval", "0.5", "--idle-exit", "2", "--json")
+        assert watched.returncode == 0, watched.stderr
+        (line,) = [json.loads(x) for x in watched.stdout.splitlines()]
+        assert line["step"] == STEPS and line["lag"] == 0 and line["before"] == "1" and line["bytes"] > 0
+        assert line["pause"] > 0 and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", line["time"])
         # The server has no tokenizer (skip_tokenizer_init), so it gives no logprobs: its weights' checksums
         # (vLLM's /weight_checker) and its greedy tokens are compared with the fresh engine's.
         want = observed(qwen2_reference, f"step {STEPS}")

@@ -28,6 +28,8 @@ def vllm_sync(
                                         "seconds until interrupted (Ctrl-C).")] = False,
     interval: Annotated[float, typer.Option("--interval", metavar="SECONDS", min=0.1,
                                             help="With --watch: seconds between looks.")] = 2.0,
+    idle_exit: Annotated[Optional[float], typer.Option("--idle-exit", metavar="SECONDS", min=0, help="With --watch: "
+                         "stop after this many seconds without a new step.")] = None,
     prepare_ahead: Annotated[float, typer.Option("--prepare-ahead", metavar="SECONDS", min=0.0,
                                                  help="Have the server's workers fetch, check and decode each update "
                                                  "in the background while it goes on generating, and pause only "
@@ -49,6 +51,8 @@ def vllm_sync(
     client = ServerClient(server)
     if watch and step is not None:
         raise UsageError("--watch follows the newest step; leave out --step")
+    if idle_exit is not None and not watch:
+        raise UsageError("--idle-exit is for --watch")
     if not watch:
         result = sync_server(server, source, step=step, trust=trust or None, client=client, prepare_ahead=prepare_ahead,
                              force=force)
@@ -63,7 +67,7 @@ def vllm_sync(
             out.info(f"{server} is now at {_shown(result.version)} (was {result.before or 'unknown'}; "
                      f"generation paused {result.seconds:.2f} s{ahead})")
         return
-    _follow(server, source, client, Output(quiet=quiet, as_json=as_json), interval, trust=trust or None,
+    _follow(server, source, client, Output(quiet=quiet, as_json=as_json), interval, idle_exit, trust=trust or None,
             prepare_ahead=prepare_ahead, force=force)
 
 
@@ -71,13 +75,15 @@ def vllm_sync(
 _FINAL = (UsageError, NotInSeriesError)
 
 
-def _follow(server: str, source: str, client, out: Output, interval: float, **kwargs) -> None:
+def _follow(server: str, source: str, client, out: Output, interval: float, idle_exit: float | None,
+            **kwargs) -> None:
     """vllm-sync --watch: a line per step the server takes (its pause too), one per failed look, said once
-    until it changes; the server keeps serving its weights meanwhile. Ctrl-C ends it."""
+    until it changes; the server keeps serving its weights meanwhile. Ctrl-C or --idle-exit ends it."""
     from pulsediff.cli.output import step_record
     from pulsediff.engines.vllm_client import sync_server
 
     said = ""
+    last_change = time.monotonic()
     while True:
         start = time.perf_counter()
         try:
@@ -94,6 +100,9 @@ def _follow(server: str, source: str, client, out: Output, interval: float, **kw
                 step = int(result.version) if result.version.isdigit() else result.version
                 out.step(server, step_record(step, result.bytes, time.perf_counter() - start, result.lag,
                                              pause=round(result.seconds, 3), before=result.before))
+                last_change = time.monotonic()
+        if idle_exit is not None and time.monotonic() - last_change >= idle_exit:
+            return
         time.sleep(interval)
 
 
