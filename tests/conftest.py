@@ -12,6 +12,9 @@ on the hardware with NUMBA_ENABLE_CUDASIM=0.
 import os
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# Some sandboxes set PYTHONDONTWRITEBYTECODE: then every CLI a test starts compiles pulsediff from source again
+# (tens of ms a process, hundreds of processes). The children here keep bytecode as a user's Python does.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import signal
 
