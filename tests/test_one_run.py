@@ -143,3 +143,15 @@ def test_update_info_takes_force_as_a_boolean_only():
     assert parse_update_request({"source": "s"}).force is False
     with pytest.raises(UsageError, match="'force' must be true or false"):
         parse_update_request({"source": "s", "force": 1})
+
+
+def test_a_published_checkpoint_gone_or_unreadable_is_no_verdict(tmp_path):
+    """A trainer that deletes (or is rewriting) the newest published checkpoint while publish looks: nothing is
+    refused on that look; an unreadable one is no evidence of another run either."""
+    a, _ = two_runs(tmp_path, 2, 1)
+    out = tmp_path / "out"
+    publish_once(a, out, settle=0)
+    (a / "step_000002.safetensors").write_bytes(b"cut short")  # the newest published step, now unreadable
+    assert publish_once(a, out, settle=0).steps == []
+    (a / "step_000002.safetensors").unlink()
+    assert publish_once(a, out, settle=0).steps == []  # step 1 is checked now, and is the run's

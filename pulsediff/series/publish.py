@@ -315,7 +315,12 @@ def _check_same_run(train_dir: Path, paths: dict, digest_at: dict, dest: Store, 
     before = fingerprint_or_none(paths[step])
     if before is not None and _SAME_RUN_SEEN.get(key) == before:
         return
-    found = checkpoint_digest_of(paths[step], precision, _Named(progress, f"check {step}"), scheme)
+    try:
+        found = checkpoint_digest_of(paths[step], precision, _Named(progress, f"check {step}"), scheme)
+    except (OSError, PulsediffError):
+        # Deleted or rewritten while read (a trainer that keeps its last N checkpoints), or unreadable: no
+        # verdict on this look. Only a digest read whole and found different refuses.
+        return
     if found != digest_at[step]:
         raise _other_run(train_dir, paths, digest_at, dest, precision, scheme, progress, (step, found))
     if before is not None and fingerprint_or_none(paths[step]) == before:
