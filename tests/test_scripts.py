@@ -135,3 +135,15 @@ def test_bench_live_apply_reports_ratio_and_break_even(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "old.safetensors").stat().st_size == (tmp_path / "new.safetensors").stat().st_size > 40 * 32768
+
+
+def test_bench_light_times_every_light_command_beside_version():
+    """Issue 48's harness, one round: a row for --version, stats (header only, --json, --values), digest and
+    every command's help, each with its ratio to --version."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_light.py"), "--rounds", "1"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line[:24].strip(): line[24:].split() for line in proc.stdout.splitlines()[2:]}
+    assert {"version", "stats PATCH", "stats --json", "stats --values", "digest CKPT", "help make",
+            "help vllm-sync"} <= set(rows), proc.stdout
+    assert rows["version"][1] == "1.00" and all(float(v[0]) > 0 for v in rows.values())
