@@ -9,7 +9,7 @@ import typer
 
 from pulsediff.cli.options import Json, Quiet
 from pulsediff.cli.output import Output
-from pulsediff.errors import NotInSeriesError, PulsediffError, UsageError
+from pulsediff.errors import NotInSeriesError, UsageError
 
 
 def vllm_sync(
@@ -67,8 +67,8 @@ def vllm_sync(
             out.info(f"{server} is now at {_shown(result.version)} (was {result.before or 'unknown'}; "
                      f"generation paused {result.seconds:.2f} s{ahead})")
         return
-    _follow(server, source, client, Output(quiet=quiet, as_json=as_json), interval, idle_exit, trust=trust or None,
-            prepare_ahead=prepare_ahead, force=force)
+    _follow(server, source, client, out, interval, idle_exit, trust=trust or None, prepare_ahead=prepare_ahead,
+            force=force)
 
 
 # Refusals that no later look can change: a usage mistake, weights of another run.
@@ -77,33 +77,21 @@ _FINAL = (UsageError, NotInSeriesError)
 
 def _follow(server: str, source: str, client, out: Output, interval: float, idle_exit: float | None,
             **kwargs) -> None:
-    """vllm-sync --watch: a line per step the server takes (its pause too), one per failed look, said once
-    until it changes; the server keeps serving its weights meanwhile. Ctrl-C or --idle-exit ends it."""
+    """vllm-sync --watch: a line per step the server takes, its pause too (cli/watch.py's loop); the server
+    keeps serving its weights while a look fails."""
     from pulsediff.cli.output import step_record
+    from pulsediff.cli.watch import follow
     from pulsediff.engines.vllm_client import sync_server
 
-    said = ""
-    last_change = time.monotonic()
-    while True:
-        start = time.perf_counter()
-        try:
-            result = sync_server(server, source, client=client, **kwargs)
-        except _FINAL:
-            raise
-        except PulsediffError as exc:
-            if str(exc) != said:
-                out.problem(server, f"keeps its weights: {exc}", {})
-                said = str(exc)
-        else:
-            said = ""
-            if result.status != "up-to-date":
-                step = int(result.version) if result.version.isdigit() else result.version
-                out.step(server, step_record(step, result.bytes, time.perf_counter() - start, result.lag,
-                                             pause=round(result.seconds, 3), before=result.before))
-                last_change = time.monotonic()
-        if idle_exit is not None and time.monotonic() - last_change >= idle_exit:
-            return
-        time.sleep(interval)
+    def look(start: float) -> tuple[dict | None, str]:
+        result = sync_server(server, source, client=client, **kwargs)
+        if result.status == "up-to-date":
+            return None, ""
+        step = int(result.version) if result.version.isdigit() else result.version
+        return step_record(step, result.bytes, time.perf_counter() - start, result.lag,
+                           pause=round(result.seconds, 3), before=result.before), ""
+
+    follow(look, out, server, interval, idle_exit, _FINAL, lambda exc: f"keeps its weights: {exc}", dict)
 
 
 def _shown(version: str) -> str:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
 
 from pulsediff.errors import NotInSeriesError, OutputExistsError, PartialCatchUpError, PulsediffError, UsageError
-from pulsediff.runtime.progress import SILENT
 from pulsediff.cli.checks import check_output
 from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, Json, Precision, Quiet, TrustState
 from pulsediff.cli.output import Output, plural
@@ -201,40 +201,26 @@ _FINAL = (UsageError, NotInSeriesError, OutputExistsError)
 
 
 def _follow(checkpoint: Path, source: str, out: Output, interval: float, idle_exit: float | None, **kwargs) -> None:
-    """catch-up --watch: the checkpoint kept at the newest step, a line per step reached, one per failed look
-    (said once until it changes, or the series is whole again); Ctrl-C or --idle-exit ends it."""
-    import time
-
+    """catch-up --watch: the checkpoint kept at the newest step (cli/watch.py's loop)."""
     from pulsediff.cli.output import step_record
+    from pulsediff.cli.watch import follow
     from pulsediff.series.catch_up import catch_up as run
 
-    last_change = time.monotonic()
-    said = ""
     at = None  # the step the checkpoint is at, once known
-    while True:
-        start = time.perf_counter()
-        try:
-            result = run(checkpoint, source, None, progress=out.progress() if not out.as_json else SILENT, **kwargs)
-        except _FINAL:
-            raise
-        except PulsediffError as exc:
-            message = f"stays at step {at}" if at is not None else "stays as it is"
-            if str(exc) != said:
-                out.problem(str(checkpoint), f"{message}: {exc}", {"step": at})
-                said = str(exc)
-        else:
-            at = result.step
-            if result.status != "up-to-date":
-                last_change = time.monotonic()
-                out.step(str(checkpoint), step_record(result.step, result.bytes, time.perf_counter() - start,
-                                                      result.newest - result.step, files=result.files))
-            stopped = f"stopped short of step {result.newest}: {result.stopped}" if result.status == "partial" else ""
-            if stopped and stopped != said:
-                out.problem(str(checkpoint), stopped, {"step": at})
-            said = stopped
-        if idle_exit is not None and time.monotonic() - last_change >= idle_exit:
-            return
-        time.sleep(interval)
+
+    def look(start: float) -> tuple[dict | None, str]:
+        nonlocal at
+        result = run(checkpoint, source, None, progress=out.progress(), **kwargs)  # quiet under --json
+        at = result.step
+        record = None if result.status == "up-to-date" else step_record(
+            result.step, result.bytes, time.perf_counter() - start, result.newest - result.step, files=result.files)
+        stopped = f"stopped short of step {result.newest}: {result.stopped}" if result.status == "partial" else ""
+        return record, stopped
+
+    def failed(exc: PulsediffError) -> str:
+        return f"{f'stays at step {at}' if at is not None else 'stays as it is'}: {exc}"
+
+    follow(look, out, str(checkpoint), interval, idle_exit, _FINAL, failed, lambda: {"step": at})
 
 
 def _same_file(a: Path, b: Path) -> bool:
