@@ -104,7 +104,11 @@ if want tests; then
     # stack in the log, and the rest still run; -rfE lists every failure's reason at the end.
     PER_TEST=""
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST="--timeout=${PER_TEST_LIMIT:-60}"; fi
-    limited "${TESTS_LIMIT:-150}" "$PY" -m pytest -q -rfE -p no:cacheprovider $PER_TEST $TESTS > "$OUT/tests.log" 2>&1
+    # Several pytest workers where pytest-xdist is there (the device image has it): the kernels
+    # compile once into the shared NUMBA_CACHE_DIR, and the GPU takes the workers' small launches.
+    WORKERS=""
+    if "$PY" -c "import xdist" 2>/dev/null; then WORKERS="-n ${TEST_WORKERS:-8}"; fi
+    limited "${TESTS_LIMIT:-150}" "$PY" -m pytest -q -rfE -p no:cacheprovider $PER_TEST $WORKERS $TESTS > "$OUT/tests.log" 2>&1
     TESTS_RC=$?
     tail -n 25 "$OUT/tests.log"
 fi

@@ -147,3 +147,16 @@ def test_bench_light_times_every_light_command_beside_version():
     assert {"version", "stats PATCH", "stats --json", "stats --values", "digest CKPT", "help make",
             "help vllm-sync"} <= set(rows), proc.stdout
     assert rows["version"][1] == "1.00" and all(float(v[0]) > 0 for v in rows.values())
+
+
+def test_profile_gpu_live_tiny_runs_and_checks_bit_for_bit():
+    """scripts/profile_gpu_live.py (issue 45's GPU profile), toy sizes under the simulator: it applies,
+    checks the result bit for bit and prints cProfile's two tables (torch.profiler's only on a GPU)."""
+    import os
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "profile_gpu_live.py"), "--tiny", "--repeats", "1"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bit for bit: yes" in proc.stdout
+    assert "### cProfile by tottime" in proc.stdout and "### cProfile by cumtime" in proc.stdout
