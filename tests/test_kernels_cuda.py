@@ -756,6 +756,70 @@ def test_tile_locate_ranked_hostile_ranks(cuda_k):
     assert where[offsets[k_next] + 2] == -1  # 1 after 700
 
 
+def _cpu_and_cuda_locate_add(cuda_k, cpu_k, base, shift, mask, offsets, ranks, deltas):
+    """locate_add_summed of the same entries on a host copy (kernels.cpu, checked against the
+    references in test_kernels.py) and on a device copy (kernels.cuda): both results."""
+    out = []
+    for k in (cpu_k, cuda_k):
+        if k is cpu_k:
+            got = base.copy()
+            where, old = np.full(ranks.size, -1, np.int64), np.zeros(ranks.size, base.dtype)
+        else:
+            got = numba_cuda.to_device(base)
+            where, old = k.located_buffers(ranks.size, base.dtype)
+        found, change, sizes = k.locate_add_summed(got, shift, mask, offsets, ranks, deltas, where, old)
+        if k is cuda_k:
+            got, where, old = got.copy_to_host(), where.copy_to_host(), old.copy_to_host()
+        out.append((found, change, sizes, got, where, old))
+    return out
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "u16-uniform"],
+                         ids=[i for i in CASE_IDS if i != "u16-uniform"])  # (its many classes: the separate kernels)
+def test_locate_add_summed_on_the_device_is_the_cpus(cuda_k, cpu_k, case):
+    """The live apply's one-synchronisation path (tile locate, add, word sums before and after,
+    read back together) against the CPU's walk that writes as it finds, bit for bit: the tensor,
+    where each entry went, the old values of those found, the class sizes, the sum's change and the
+    found count. Tile-sized and odd-sized bases (an odd BF16 count is not whole words: the
+    separate kernels), sparse, dense and no entries, and hostile ranks (fewer found)."""
+    _, make, shift, mask = case
+    rng = np.random.default_rng(41)
+    # whole words of every width (the tiles), then an odd size and no entries (the separate kernels)
+    for n, density in [(2 * cuda_k.TILE + 80, 0.02), (600, "all"), (301, 0.3), (128, 0.0)]:
+        base = make(rng, n)
+        positions = pick_positions(rng, n, density)
+        ranks, _ = class_ranks_ref(base, shift, mask, positions)
+        offsets, ranks_cm, deltas = listed_entries(base, shift, mask, positions, ranks, rng)
+        deltas = deltas.astype(base.dtype)
+        cases = [ranks_cm]
+        if ranks_cm.size:
+            hostile = ranks_cm.copy()
+            hostile[-1] += n  # past its class
+            cases.append(hostile)
+        for entries in cases:
+            (cf, cc, cs, cg, cw, co), (gf, gc, gs, gg, gw, go) = _cpu_and_cuda_locate_add(
+                cuda_k, cpu_k, base, shift, mask, offsets, entries, deltas)
+            assert gf == cf and gc == cc
+            np.testing.assert_array_equal(gs, cs)
+            np.testing.assert_array_equal(gg, cg)
+            np.testing.assert_array_equal(gw, cw)
+            hit = cw >= 0
+            np.testing.assert_array_equal(go[hit], co[hit])
+            assert (cf == entries.size) == (entries is ranks_cm)
+
+
+def test_word_sums_reads_back_once_and_equals_word_sum(cuda_k):
+    """word_sums of device arrays of every width, odd sizes and an unaligned view among them (the
+    ones that are not whole words go through word_sum alone): each equals the reference."""
+    rng = np.random.default_rng(42)
+    hosts = [bf16_like(rng, 4096), f32_like(rng, 33), uniform(np.uint64)(rng, 17), bf16_like(rng, 7),
+             uniform(np.uint8)(rng, 64), bf16_like(rng, 0)]
+    arrays = [numba_cuda.to_device(h) for h in hosts]
+    hosts.append(hosts[0][1:])
+    arrays.append(arrays[0][1:])  # starts 2 bytes into its allocation
+    assert cuda_k.word_sums(arrays) == [word_sum_ref(h) for h in hosts]
+
+
 def test_ranked_positions_hostile_ranks(cuda_k, cpu_k):
     """Ranks past their class, negative ranks, a class the base lacks: -1 and not counted."""
     rng = np.random.default_rng(23)

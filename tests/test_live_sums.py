@@ -272,8 +272,10 @@ def test_device_path_rebuilds_the_target_bit_for_bit(small_launch):
     """BF16, F32 and I64 tensors of a few hundred elements (dozens of 16-element tiles over
     4 blocks), a chain with an anchor, ctx-rans located and written on the device."""
     rng = np.random.default_rng(10)
+    # "w" and "f" are not whole 8-byte words (the separate kernels), "v" and "i" are (the tiles)
     s0 = {"w": random_tensor(rng, "BF16", (300,)), "f": random_tensor(rng, "F32", (17, 9)),
-          "i": random_tensor(rng, "I64", (40,)), "e": random_tensor(rng, "BF16", (0,))}
+          "i": random_tensor(rng, "I64", (40,)), "e": random_tensor(rng, "BF16", (0,)),
+          "v": random_tensor(rng, "BF16", (8, 38))}
     s1 = {k: mutate(rng, v, 0.08) for k, v in s0.items()}
     s2 = {k: mutate(rng, v, 0.08) for k, v in s1.items()}
     patches = [pulsediff.make_patch_bytes(None, s0), pulsediff.make_patch_bytes(s0, s1), pulsediff.make_patch_bytes(s1, s2)]
@@ -303,6 +305,30 @@ def test_device_path_refuses_a_wrong_base_and_undoes_a_bad_target(small_launch):
     forged = _forged(patch, lie)
     with pytest.raises(CorruptPatchError, match="word sum"):
         _apply_on_device(s0, [forged])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_device_path_puts_back_what_the_tiles_wrote(small_launch):
+    """A target sum that lies on the last tensor: the tensors before it were written by the tile
+    path (whole words), the last one too; the roll-back (undo entries kept whole on the device,
+    entries not found at -1) leaves every tensor bit for bit as it was."""
+    rng = np.random.default_rng(13)
+    s0 = {"a": random_tensor(rng, "BF16", (256,)), "b": random_tensor(rng, "BF16", (4, 50))}
+    s1 = {k: mutate(rng, v, 0.1) for k, v in s0.items()}
+
+    def lie(header):
+        header["tensors"][-1]["target_sum"] = f"{(int(header['tensors'][-1]['target_sum'], 16) ^ 4):016x}"
+
+    forged = _forged(pulsediff.make_patch_bytes(s0, s1), lie)
+    views = {k: numba_cuda.to_device(_bits(v).view(live.dtype_of(v).bits_dtype)) for k, v in s0.items()}
+    reader, header, _ = open_patch(io.BytesIO(forged))
+    undo = []
+    with pytest.raises(CorruptPatchError, match="word sum"):
+        live.apply_by_sums(views, reader, header, undo, {})
+    assert len(undo) == 2 and all(not isinstance(e.positions, np.ndarray) for e in undo)  # on the device
+    assert live._roll_back(undo) == []
+    for k, v in views.items():
+        np.testing.assert_array_equal(v.copy_to_host(), _bits(s0[k]).view(live.dtype_of(s0[k]).bits_dtype))
 
 
 def test_tied_weights_are_patched_once_through_either_path():

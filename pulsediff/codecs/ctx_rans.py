@@ -396,8 +396,7 @@ class CtxRans(Codec):
             if found != entries.count:
                 raise CorruptPatchError(ctx.source, f"tensor {ctx.name!r}: positions fall outside the tensor")
         except CorruptPatchError:
-            written = where >= 0
-            kernels.scatter(base, where[written], old[written])
+            kernels.scatter(base, where, old)  # the entries not found (-1) are skipped
             raise
         return change
 

@@ -1285,6 +1285,13 @@ def _scan_tile_counts(counts, nlisted: int):
     return _starts_from_histograms(counts, nlisted).copy_to_host()
 
 
+def _scan_tile_counts_on_device(counts, nlisted: int):
+    """_scan_tile_counts with the listed classes' sizes left on the device (no synchronisation)."""
+    if _sort_on_gpu(counts):
+        return _as_cuda_array(exclusive_scan_tiles(_torch_of(counts).view(counts.shape)), sync=False)
+    return _starts_from_histograms(counts, nlisted)
+
+
 def exclusive_scan_tiles(table):
     """In place on a torch (tile, slot) table of counts: each entry becomes the sum of its column
     above it; returns the column totals. The scan runs along the innermost dimension of the
@@ -1707,6 +1714,188 @@ def add_at(out, positions, deltas):
     return unsigned.copy_to_host(), bad
 
 
+
+# --- a live apply's tensor with one host synchronisation -----------------------------------
+#
+# locate_ranked, add_at and two word_sums cost a live apply about ten small pageable uploads,
+# a dozen allocations and six host synchronisations per tensor; on an H200 the device was busy
+# 69 ms of a 600 ms apply (docs/BENCHMARKS.md, GPU). locate_add_summed runs the same kernels
+# one after another on the default stream: the entries go up in one asynchronous copy from
+# pinned staging, the tables live in per-thread device buffers, and the found count, the class
+# sizes, the out-of-range count and both word sums' block partials land in one small array read
+# back once. The base is read three times more than by the locate alone (two word sums, the
+# add's gather): 0.4 ms per 134M BF16 elements each, against the milliseconds of host round trips.
+
+
+@cuda.jit(cache=True)
+def _copy_into(src, dst):
+    for i in range(cuda.grid(1), src.size, cuda.gridsize(1)):
+        dst[i] = src[i]
+
+
+def located_buffers(count: int, dtype):
+    """`where` (int64, every entry -1: not found) and `old` (uninitialised, `dtype`'s bit
+    type) for locate_add_summed, in device memory. Only found entries' old values are
+    written or read (a roll-back's scatter skips position -1)."""
+    where = cuda.device_array(count, np.int64)
+    if count:
+        tpb, _, max_blocks = _launch_config()
+        _fill_int64[min(-(-count // tpb), max_blocks), tpb](where, -1)
+    return where, cuda.device_array(count, _bits_dtype(dtype))
+
+
+def _whole_words(d) -> bool:
+    """Whether a flat device array can be read as uint64 words: 8-byte aligned, whole words."""
+    return d.size * d.dtype.itemsize % 8 == 0 and _address(d)[1] % 8 == 0
+
+
+def _word_sum_launch(d, partial) -> None:
+    """word_sum's kernel over whole uint64 words of `d` (_whole_words), block sums into
+    `partial` (uint64, _word_sum_grid(d) of them)."""
+    tpb, _, _ = _launch_config()
+    words = d.view(np.uint64)
+    _word_sums[partial.size, tpb, 0, tpb * _SHARED_ITEM](words, 1, 64, words.size, partial)
+
+
+def _word_sum_grid(d) -> int:
+    tpb, _, max_blocks = _launch_config()
+    return max(1, min(-(-(d.size * d.dtype.itemsize // 8) // tpb), max_blocks))
+
+
+def word_sums(arrays) -> list:
+    """word_sum of each array, the device arrays' launched one after another and their block
+    sums read back in one copy (one host synchronisation for all, not one each)."""
+    views = [_bits(_arg(a)) if is_device_array(a) else None for a in arrays]
+    batched = [i for i, d in enumerate(views) if d is not None and d.size and _whole_words(d)]
+    sums = [None] * len(views)
+    if batched:
+        grids = [_word_sum_grid(views[i]) for i in batched]
+        partial = cuda.device_array(sum(grids), np.uint64)
+        at = 0
+        for i, g in zip(batched, grids):
+            _word_sum_launch(views[i], partial[at:at + g])
+            at += g
+        host, at = partial.copy_to_host(), 0
+        for i, g in zip(batched, grids):
+            sums[i] = int(host[at:at + g].sum(dtype=np.uint64))
+            at += g
+    return [word_sum(a) if total is None else total for a, total in zip(arrays, sums)]
+
+
+def locate_add_summed(base, shift: int, mask: int, class_offsets, ranks, deltas, where, old):
+    """kernels.cpu.locate_add_summed on a base in device memory: each listed (class, rank) entry
+    found is written in place (base + its zigzag delta), its position put in `where` and its old
+    value in `old` (device arrays from located_buffers). Returns (entries found, the word sum's
+    change (after - before) mod 2**64, the class sizes on the host). A caller that finds fewer
+    than it listed puts the found ones back.
+
+    By the tile kernels with one host synchronisation (the section above). Where they do not
+    apply (more than TILE_LISTED classes listed, classes wider than a byte, a tensor that is not
+    whole 8-byte words, entries already on the device, none at all), the separate kernels, each
+    synchronising on its own."""
+    from pulsediff.kernels.class_sort import check_offsets
+
+    _check_class_field(shift, mask)
+    if not is_device_array(base):
+        raise ValueError("the CUDA locate_add_summed writes a base in device memory")
+    ncls = mask + 1
+    d_base = _bits(base, signed64=True)
+    d_where, d_old = _indices(where), _device_view(old)
+    m = d_where.size
+    if d_old.size != m or len(ranks) != m or len(deltas) != m:
+        raise ValueError(f"{m} positions for {len(ranks)} ranks, {len(deltas)} deltas and {d_old.size} old values")
+    if d_old.dtype.itemsize != d_base.dtype.itemsize:
+        raise ValueError("old values must have the base's element width")
+    host_entries = not (is_device_array(class_offsets) or is_device_array(ranks) or is_device_array(deltas))
+    if not host_entries:
+        return _locate_add_separately(base, shift, mask, class_offsets, ranks, deltas, d_where, d_old)
+    offsets = check_offsets(class_offsets, ncls, m)
+    listed = np.flatnonzero(np.diff(offsets) > 0)
+    if ncls > 256 or listed.size > TILE_LISTED or m == 0 or not _whole_words(d_base):
+        return _locate_add_separately(base, shift, mask, offsets, ranks, deltas, d_where, d_old)
+    try:
+        return _locate_add_tiled(d_base, shift, mask, offsets, listed, ranks, deltas, d_where, d_old)
+    except BaseException:
+        cuda.synchronize()  # the staging buffer is this thread's next upload: no copy may still read it
+        raise
+
+
+def _locate_add_separately(base, shift, mask, class_offsets, ranks, deltas, d_where, d_old):
+    before = word_sum(base)
+    located, found, sizes = locate_ranked(base, shift, mask, class_offsets, ranks)
+    tpb, _, max_blocks = _launch_config()
+    grid = max(1, min(-(-d_where.size // tpb), max_blocks))
+    located = _indices(located)
+    if located.size:
+        _copy_into[grid, tpb](located, d_where)
+        olds, _ = add_at(base, d_where, deltas)
+        _copy_into[grid, tpb](_device_view(olds), d_old.view(_UNSIGNED[d_old.dtype.itemsize]))
+    return found, (word_sum(base) - before) & 0xFFFFFFFFFFFFFFFF, sizes
+
+
+def _locate_add_tiled(d_base, shift, mask, offsets, listed, ranks, deltas, d_where, d_old):
+    ncls, m, nlisted, n = mask + 1, d_where.size, listed.size, d_base.size
+    tpb, _, max_blocks = _launch_config()
+    ranks = np.ascontiguousarray(ranks).reshape(-1)
+    deltas = np.ascontiguousarray(deltas).reshape(-1)
+    if deltas.dtype.kind not in "iu" or ranks.dtype.kind not in "iu":
+        raise ValueError("ranks and deltas must be integers")
+    # Pinned staging, int64 words: ranks | listed classes' first entries | their ends | the class
+    # -> table row map (ncls bytes) | the deltas' bytes. One asynchronous copy takes it all up.
+    lut_at = m + 2 * nlisted
+    deltas_at = lut_at + -(-ncls // 8)
+    words = deltas_at + -(-deltas.nbytes // 8)
+    stage = _buffers.get("pinned", "locate-add", words, np.int64)
+    stage[:m] = ranks.view(np.int64) if ranks.dtype == np.uint64 else ranks
+    stage[m:m + nlisted] = offsets[listed]
+    stage[m + nlisted:lut_at] = offsets[listed + 1]
+    raw = stage.view(np.uint8)
+    raw[8 * lut_at:8 * lut_at + ncls] = _UNLISTED
+    raw[8 * lut_at + listed] = np.arange(nlisted, dtype=np.uint8)
+    raw[8 * deltas_at:8 * deltas_at + deltas.nbytes] = deltas.view(np.uint8)
+    d_stage = _buffers.get("device", "locate-add", words, np.int64)
+    d_stage.copy_to_device(stage, stream=cuda.default_stream())
+    d_ranks, d_lo, d_hi = d_stage[:m], d_stage[m:m + nlisted], d_stage[m + nlisted:lut_at]
+    d_raw = d_stage.view(np.uint8)
+    d_lut = d_raw[8 * lut_at:8 * lut_at + ncls]
+    d_deltas = _zigzag_deltas(d_raw[8 * deltas_at:8 * deltas_at + deltas.nbytes].view(_UNSIGNED[deltas.itemsize]))
+
+    # One int64 array comes back: unlisted class sizes | found | listed class sizes | the add's
+    # out-of-range count per block | the word sum's block sums before | after.
+    grid_m = min(-(-m // tpb), max_blocks)
+    grid_w = _word_sum_grid(d_base)
+    found_at, sizes_at = ncls, ncls + 1
+    before_at = sizes_at + nlisted + grid_m
+    after_at = before_at + grid_w
+    result = _buffers.get("device", "locate-add-result", after_at + grid_w, np.int64)
+    _fill_int64[max(1, min(-(-sizes_at // tpb), max_blocks)), tpb](result[:sizes_at], 0)
+    _word_sum_launch(d_base, result[before_at:after_at].view(np.uint64))
+
+    tiles = -(-n // TILE)
+    counts = _buffers.get("device", "tile-counts", tiles * nlisted, np.int64).reshape(tiles, nlisted)
+    shared, at = _tile_shared_layout(nlisted)
+    grid_t = min(tiles, max_blocks)
+    _tile_listed_counts[grid_t, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, nlisted, at, counts,
+                                                         result[:ncls])
+    totals = _scan_tile_counts_on_device(counts, nlisted)
+    _copy_into[1, tpb](totals, result[sizes_at:sizes_at + nlisted])
+    bounds = _buffers.get("device", "tile-bounds", (tiles + 1) * nlisted, np.int64).reshape(tiles + 1, nlisted)
+    _tile_entry_bounds[min(-(-(tiles + 1) * nlisted // tpb), max_blocks), tpb](counts, d_lo, d_hi, d_ranks, bounds)
+    _tile_locate[grid_t, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, nlisted, at, counts, bounds, d_ranks,
+                                                  d_where)
+    _settle_found[grid_m, tpb, 0, tpb * _SHARED_ITEM](d_ranks, d_lo, d_where, result[found_at:sizes_at])
+    old = d_old.view(np.int64) if d_old.dtype.itemsize == 8 else d_old
+    _add_at[grid_m, tpb, 0, tpb * _SHARED_ITEM](d_base, d_where, d_deltas, _width_mask(d_base.dtype.itemsize), old,
+                                                result[sizes_at + nlisted:before_at])
+    _word_sum_launch(d_base, result[after_at:].view(np.uint64))
+
+    host = result.copy_to_host()  # the one synchronisation: every launch above has finished
+    sizes = host[:ncls].copy()
+    sizes[listed] = host[sizes_at:sizes_at + nlisted]
+    before = int(host[before_at:after_at].view(np.uint64).sum(dtype=np.uint64))
+    after = int(host[after_at:].view(np.uint64).sum(dtype=np.uint64))
+    return int(host[found_at]), (after - before) & 0xFFFFFFFFFFFFFFFF, sizes
+
 # --- chunk digests: XXH3-128 of each chunk, a warp per chunk ---------------------------
 #
 # The device twin of kernels.cpu.chunk_digests, for a digest the GPU computes where the
@@ -1982,7 +2171,7 @@ def _guarded(fn):
 
 
 def _guard_entry_points() -> None:
-    for name in KERNELS + ("device_bits", "probe"):
+    for name in KERNELS + ("device_bits", "probe", "locate_add_summed", "located_buffers", "word_sums"):
         globals()[name] = _guarded(globals()[name])
 
 

@@ -610,15 +610,21 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
         if rec.op == "patch" and hasattr(codec, "add_in_place") and hasattr(kernels, "locate_add_summed"):
             # the CPU's walk writes what it finds and sums the words it writes: one read, not three
             entries = decoded if decoded is not None else codec.decode_changes(payload, rec.section.params, ctx)
-            where = np.full(entries.count, -1, np.int64)
-            old = np.zeros(entries.count, view.dtype)
+            on_host = isinstance(view, np.ndarray)
+            if on_host:
+                where, old = np.full(entries.count, -1, np.int64), np.zeros(entries.count, view.dtype)
+            else:  # the GPU's tile kernels, one host synchronisation for the tensor
+                where, old = kernels.located_buffers(entries.count, view.dtype)
             entry = _Undo(rec.name, view, where)
             undo.append(entry)
             try:
                 change = codec.add_in_place(view, entries, ctx, kernels, where, old)
             finally:  # whatever was written, even when interrupted, is in the undo log
-                written = where >= 0
-                entry.positions, entry.old = where[written], old[written]
+                if on_host:
+                    written = where >= 0
+                    entry.positions, entry.old = where[written], old[written]
+                else:  # kept whole on the device: a roll-back's scatter skips the -1 of entries not found
+                    entry.positions, entry.old = where, old
             after = (sums[rec.name] + change) & 0xFFFFFFFFFFFFFFFF
             count = rec.changed
         elif rec.op == "patch" and (located := codec.locate(view, payload, rec.section.params, ctx, kernels,
@@ -707,6 +713,9 @@ def _word_sums(views: Mapping, names: list, known: Mapping) -> dict:
     small = [name for name in names if name not in sums and isinstance(views[name], np.ndarray)
              and views[name].size <= BATCH_MAX_NUMEL]
     sums.update(zip(small, word_sums_of([views[name] for name in small], cpu_batch)))
+    on_device = [name for name in names if name not in sums and not isinstance(views[name], np.ndarray)]
+    if on_device:  # launched together, read back once
+        sums.update(zip(on_device, _kernels_for(views[on_device[0]]).word_sums([views[n] for n in on_device])))
     for name in names:
         if name not in sums:
             sums[name] = _kernels_for(views[name]).word_sum(views[name])
