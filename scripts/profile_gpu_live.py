@@ -26,8 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -62,9 +60,10 @@ def main(argv=None) -> int:
         o = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
         bits = o.view(torch.int16).clone()
         flat = bits.view(-1)
-        k = max(1, int(flat.numel() * args.density))
-        where = torch.randperm(flat.numel(), generator=gen)[:k]
-        flat[where] += torch.where(torch.rand(k, generator=gen) < 0.5, 1, -1).to(torch.int16)  # +-1 ULP
+        picked = torch.rand(flat.numel(), generator=gen) < args.density
+        picked[0] = True  # a toy tensor changes too
+        where = picked.nonzero().flatten()
+        flat[where] += torch.where(torch.rand(where.numel(), generator=gen) < 0.5, 1, -1).to(torch.int16)  # +-1 ULP
         old[name], new[name] = o, bits.view(torch.bfloat16)
     changes = sum(int((old[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in old)
     elements = sum(t.numel() for t in old.values())
