@@ -292,7 +292,7 @@ def kernel_bandwidth(n: int, density: float, repeats: int, rng) -> tuple[list[li
     ok &= np.array_equal(d_work.copy_to_host(), new)
     # What live apply runs now: class sizes and positions together, by tiles (two reads of the base,
     # nothing sorted); and the stable sort of kernels.class_sort it replaced (a real GPU only).
-    path = "class sort" if K._sort_on_gpu(d_old) else "walk"
+    path = "class sort" if K.tiles.sort_on_gpu(d_old) else "walk"
     where2, found2, _ = K.locate_ranked(d_old, SHIFT, MASK, offsets, d_ranks)
     ok &= found2 == m and np.array_equal(_host(where2), _host(where))
     row("locate_ranked (tiles: two reads of the base)", lambda: K.locate_ranked(d_old, SHIFT, MASK, offsets, d_ranks),
@@ -324,9 +324,9 @@ def class_sorted(base, offsets, ranks):
     from pulsediff.kernels import class_sort
     from pulsediff.kernels import cuda as K
 
-    where, found, _ = class_sort.locate_ranked(K._torch_of(base), SHIFT, MASK, offsets, K._torch_of(ranks),
-                                               keys_of=K._torch_class_keys)
-    return K._as_cuda_array(where), found
+    where, found, _ = class_sort.locate_ranked(K.tiles.torch_of(base), SHIFT, MASK, offsets, K.tiles.torch_of(ranks),
+                                               keys_of=K.tiles.torch_class_keys)
+    return K.common.as_cuda_array(where), found
 
 
 def _host(a) -> np.ndarray:
@@ -613,7 +613,7 @@ def main(argv=None) -> int:
     shapes = llama_7b_shapes()
     if args.tiny:
         # Blocks of 8 threads: tiny tensors still span many ranges and blocks.
-        K.THREADS_PER_BLOCK, K.ITEMS_PER_THREAD, K.MAX_BLOCKS = 8, 2, 4
+        K.common.THREADS_PER_BLOCK, K.common.ITEMS_PER_THREAD, K.common.MAX_BLOCKS = 8, 2, 4
         args.elements, args.copy_mib, args.repeats = 300, 0.01, 1
         args.density = max(args.density, 0.05)
         args.live = True
@@ -635,8 +635,8 @@ def main(argv=None) -> int:
     if isinstance(device, bytes):
         device = device.decode()
     print(f"## pulsediff GPU benchmark: {device}\n")
-    print(f"launch: {K.THREADS_PER_BLOCK} threads x {K.ITEMS_PER_THREAD} items per block, at most "
-          f"{K.MAX_BLOCKS} blocks; tensors as {arrays.what}; medians of {args.repeats} after a warm-up")
+    print(f"launch: {K.common.THREADS_PER_BLOCK} threads x {K.common.ITEMS_PER_THREAD} items per block, at most "
+          f"{K.common.MAX_BLOCKS} blocks; tensors as {arrays.what}; medians of {args.repeats} after a warm-up")
 
     table("Copy bandwidth", ["what", "bytes", "ms", "GB/s"], copy_bandwidth(args.copy_mib, args.repeats))
     rows, ok = kernel_bandwidth(args.elements, args.density, args.repeats, rng)

@@ -1,7 +1,7 @@
 """Shared by the CUDA kernel tests: small launches and a fast simulator.
 
 Under NUMBA_ENABLE_CUDASIM=1 every CUDA thread is a Python thread, so the tests
-shrink the launch settings (module-level in pulsediff.kernels.cuda) to make
+shrink the launch settings (module-level in pulsediff.kernels.cuda.common) to make
 small inputs span many tiles and blocks.
 """
 

@@ -71,7 +71,7 @@ def cuda_backend():
         pytest.skip("numba.cuda cannot be imported (install numba-cuda); CUDA backend not tested")
     from pulsediff.kernels import cuda
 
-    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+    with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
         yield cuda
 
 
@@ -352,7 +352,7 @@ def test_property_cuda_gaps(cuda_backend, gaps):
 )
 def test_cuda_launch_shapes(cuda_backend, threads, items, max_blocks, size):
     rng = np.random.default_rng(threads)
-    with launch_config(cuda_backend, THREADS_PER_BLOCK=threads, ITEMS_PER_THREAD=items, MAX_BLOCKS=max_blocks):
+    with launch_config(cuda_backend.common, THREADS_PER_BLOCK=threads, ITEMS_PER_THREAD=items, MAX_BLOCKS=max_blocks):
         check_diff(cuda_backend, *make_pair(rng, np.uint8, size, 0.3))
         check_gaps(cuda_backend, rng.integers(0, 4, size).astype(np.uint32))
         positions, values = make_scatter(rng, np.uint8, size, size // 2, HOSTILE_POSITIONS)
@@ -364,7 +364,7 @@ def test_cuda_launch_shapes(cuda_backend, threads, items, max_blocks, size):
     "setting, value", [("THREADS_PER_BLOCK", 24), ("THREADS_PER_BLOCK", 2048), ("ITEMS_PER_THREAD", 0)]
 )
 def test_cuda_rejects_bad_launch_settings(cuda_backend, setting, value):
-    with launch_config(cuda_backend, **{setting: value}), pytest.raises(ValueError, match=setting):
+    with launch_config(cuda_backend.common, **{setting: value}), pytest.raises(ValueError, match=setting):
         cuda_backend.diff_compact(np.zeros(4, np.uint8), np.ones(4, np.uint8))
 
 

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def cuda_k():
     from pulsediff.kernels import cuda
 
-    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+    with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
         yield cuda
 
 
@@ -138,7 +138,7 @@ def test_range_count_is_bounded_by_the_budget(cuda_k):
     rng = np.random.default_rng(2)
     base = bf16_like(rng, 203)
     positions = pick_positions(rng, base.size, 0.2)
-    with launch_config(cuda_k, CLASS_TILE_BUDGET=256 * 3):
+    with launch_config(cuda_k.ranks, CLASS_TILE_BUDGET=256 * 3):
         starts, sizes = cuda_k.chunk_class_starts(base, 7, 255)
         assert starts.shape == (3, 256)
         np.testing.assert_array_equal(starts, chunk_class_starts_ref(base, 7, 255, 3)[0])
@@ -154,7 +154,8 @@ def test_range_count_is_bounded_by_the_budget(cuda_k):
         np.testing.assert_array_equal(out, want)
     # 9 elements in 4 ranges of 3: the last range is empty.
     small = bf16_like(rng, 9)
-    with launch_config(cuda_k, CLASS_TILE_BUDGET=256 * 4, ITEMS_PER_THREAD=1, THREADS_PER_BLOCK=2):
+    with launch_config(cuda_k.ranks, CLASS_TILE_BUDGET=256 * 4), \
+            launch_config(cuda_k.common, ITEMS_PER_THREAD=1, THREADS_PER_BLOCK=2):
         starts, _ = cuda_k.chunk_class_starts(small, 7, 255)
         assert starts.shape[0] == 4
         np.testing.assert_array_equal(starts, chunk_class_starts_ref(small, 7, 255, 4)[0])
@@ -391,7 +392,7 @@ def check_all_three(k, base, shift, mask, positions, rng):
 @pytest.mark.parametrize("threads, items, max_blocks, n", [(1, 1, 2, 40), (32, 2, 3, 301)])
 def test_launch_shapes(cuda_k, threads, items, max_blocks, n):
     rng = np.random.default_rng(threads)
-    with launch_config(cuda_k, THREADS_PER_BLOCK=threads, ITEMS_PER_THREAD=items, MAX_BLOCKS=max_blocks):
+    with launch_config(cuda_k.common, THREADS_PER_BLOCK=threads, ITEMS_PER_THREAD=items, MAX_BLOCKS=max_blocks):
         base = bf16_like(rng, n)
         check_all_three(cuda_k, base, 7, 255, pick_positions(rng, n, 0.2), rng)
 

@@ -245,7 +245,7 @@ numba_cuda = pytest.importorskip("numba.cuda")
 def small_launch():
     from pulsediff.kernels import cuda
 
-    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+    with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
         yield
 
 

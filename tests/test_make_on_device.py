@@ -70,7 +70,7 @@ def test_make_on_the_device_is_make_on_the_cpu_byte_for_byte(tmp_path, monkeypat
             m.setattr(digest, name, host_only)
         for sources in ((old, new), (tmp_path / "old.safetensors", tmp_path / "new.safetensors")):
             on_gpu = tmp_path / "gpu.pulsediff"
-            with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+            with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
                 make_patch(*sources, on_gpu, codec=codec, precision=precision, device="cuda", force=True)
             assert on_gpu.read_bytes() == on_cpu.read_bytes(), type(sources[0])
     out = tmp_path / "out.safetensors"
@@ -86,7 +86,7 @@ def test_an_anchor_on_the_device(tmp_path):
     make_patch(None, tmp_path / "new.safetensors", tmp_path / "cpu.pulsediff", device="cpu")
     from pulsediff.kernels import cuda
 
-    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+    with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
         make_patch(None, new, tmp_path / "gpu.pulsediff", device="cuda")
     assert (tmp_path / "gpu.pulsediff").read_bytes() == (tmp_path / "cpu.pulsediff").read_bytes()
 
@@ -100,7 +100,7 @@ def test_flat_hashes_stay_on_the_host(tmp_path):
                device="cpu", digest="flat")
     from pulsediff.kernels import cuda
 
-    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+    with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
         make_patch(old, new, tmp_path / "gpu.pulsediff", device="cuda", digest="flat")
     assert (tmp_path / "gpu.pulsediff").read_bytes() == (tmp_path / "cpu.pulsediff").read_bytes()
 
@@ -133,7 +133,7 @@ def test_live_cuda_tensors_are_hashed_where_they_are(tmp_path, monkeypatch):
     monkeypatch.setattr(StateDict, "on_gpu", property(lambda self: True))
     from pulsediff.kernels import cuda
 
-    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+    with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
         for precision in ("exact", "bf16"):
             seen.clear()
             assert state_dict_digest(new, precision) == checkpoint_digest_of(tmp_path / "new.safetensors", precision)
@@ -156,7 +156,7 @@ def test_auto_takes_the_gpu_for_gpu_state_dicts_only(tmp_path, monkeypatch):
     real = make_module.on_device
     monkeypatch.setattr(make_module, "on_device", lambda scheme, backend: chosen.append(real(scheme, backend)) or
                         chosen[-1])
-    with launch_config(cuda, **SMALL_LAUNCH), fast_simulator():
+    with launch_config(cuda.common, **SMALL_LAUNCH), fast_simulator():
         make_patch(old, new, tmp_path / "a.pulsediff")
         make_patch(old, new, tmp_path / "b.pulsediff", digest="flat")
         make_patch(old, new, tmp_path / "c.pulsediff", device="cpu")

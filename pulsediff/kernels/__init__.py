@@ -87,7 +87,7 @@ def _probe_cuda() -> "tuple[ModuleType | None, str]":
     except Exception as exc:
         return None, f"pulsediff's CUDA kernels do not import ({first_line(exc)})"
     if not config.ENABLE_CUDASIM:
-        compile_notice(backend.__file__, "CUDA")
+        compile_notice(backend.CACHED_MODULE_FILE, "CUDA")
     try:
         backend.probe()  # compiles (first run on a machine) or loads one kernel and launches it
     except DeviceUnavailableError as exc:

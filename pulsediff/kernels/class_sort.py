@@ -79,7 +79,7 @@ def class_keys(bits, shift: int, mask: int):
 
 
 def check_offsets(class_offsets, ncls: int, m: int) -> np.ndarray:
-    """Class-major entry offsets as the walks require them (kernels.cuda's _walk_tables):
+    """Class-major entry offsets as the walks require them (kernels.cuda.ranks.walk_tables):
     ncls + 1 of them, from 0, never falling, ending at the entry count. Checked on the host
     before anything reaches a device, where a bad one would trip a device-side assert."""
     offsets = np.ascontiguousarray(class_offsets, np.int64).reshape(-1)
