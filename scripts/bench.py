@@ -1,6 +1,7 @@
 """Compare pulsediff's patches with the byte-level deltas RL frameworks use: size and speed.
 
     python scripts/bench.py --series DIR [--pair OLD NEW ...] [--repeats 3] [--skip zstd19] [--json FILE]
+    python scripts/bench.py --list      # every benchmark in scripts/, what it measures, how to run it
 
 For every checkpoint pair, and every method below, it makes a patch of NEW
 against OLD and applies it again, in subprocesses, and reports the patch's
@@ -52,13 +53,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import re
 import shutil
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +66,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_core import files_of, find_pulsediff, fs_type, gnu_time, identical, remove, run_timed, size_of  # noqa: E402
+from benchlib import list_benchmarks, machine, machine_line  # noqa: E402
 
 CHUNK = 64 << 20  # bytes per XOR step: bounds the helper's buffers, whatever the file size
 ZSTD_DEFAULT_WINDOW_LOG = 27  # the largest window zstd decompresses without --long/--memory
@@ -332,44 +331,13 @@ def series_pairs(series: Path) -> list[tuple[str, Path, Path]]:
     return pairs
 
 
-def machine() -> dict:
-    model = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "?"
-    try:
-        kib = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
-        mem = f"{kib / 1024 ** 2:.1f} GiB"
-    except (OSError, AttributeError):
-        pass
-
-    def version(cmd: list[str]) -> str:
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
-            line = (p.stdout or p.stderr).strip().splitlines()[0]
-            return line.strip("* ").split(", Copyright")[0].split(", by ")[0]
-        except (OSError, IndexError, subprocess.SubprocessError):
-            return "not installed"
-
-    try:
-        import zstandard
-        pyzstd = f"python-zstandard {zstandard.__version__} (libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))})"
-    except ImportError:
-        pyzstd = "python-zstandard not installed"
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": model, "ram": mem,
-            "platform": platform.platform(), "python": sys.version.split()[0], "loadavg": os.getloadavg(),
-            "zstd": version(["zstd", "-V"]), "xdelta3": version(["xdelta3", "-V"]), "pyzstd": pyzstd}
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--xor-helper"]:
         return xor_helper(argv[1:])
+    if argv[:1] == ["--list"]:
+        print(list_benchmarks())
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--series", type=Path, help="folder written by gen_series.py: its 0->1 and 0->last pairs")
     ap.add_argument("--pair", nargs=2, action="append", default=[], metavar=("OLD", "NEW"), type=Path,
@@ -464,12 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"results saved to {args.json}", file=sys.stderr)
     return 0 if ok else 1
-
-
-def machine_line(env: dict) -> str:
-    return (f"machine: nproc {env['nproc']} (affinity {env['affinity']}), {env['cpu']}, RAM {env['ram']}, "
-            f"{env['platform']}, Python {env['python']}, load avg {env['loadavg'][0]:.2f}\n"
-            f"tools:   {env['zstd']}; {env['xdelta3']}; {env['pyzstd']}")
 
 
 def summary(r: Result) -> dict:

@@ -58,8 +58,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -73,6 +71,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_core import find_pulsediff, fs_type, gnu_time, identical, remove, run_timed  # noqa: E402
+from benchlib import machine, machine_line  # noqa: E402
 from make_synthetic_pair import _bernoulli_positions, generate_pair, model_specs, safetensors_header  # noqa: E402
 
 SERIES_VERSION = 1  # bump when the generator changes, so that old series are regenerated
@@ -322,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     env = machine()
-    print(machine_line(env), flush=True)
+    print(machine_line(env, tools=False), flush=True)
     pulsediff = find_pulsediff(args.pulsediff)
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
@@ -579,23 +578,6 @@ def network_model(r: dict, codecs: list[str], steps: int) -> list[dict]:
 
 
 # -- reporting ---------------------------------------------------------------------
-
-
-def machine() -> dict:
-    cpu = "?"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    m = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": cpu,
-            "ram_gib": int(m.group(1)) / 1024 ** 2 if m else None, "platform": platform.platform(),
-            "python": sys.version.split()[0], "loadavg": os.getloadavg()}
-
-
-def machine_line(env: dict) -> str:
-    return (f"machine: nproc {env['nproc']} (affinity {env['affinity']}), {env['cpu']}, RAM {env['ram_gib']:.1f} GiB, "
-            f"{env['platform']}, Python {env['python']}, load avg at start {env['loadavg'][0]:.2f}")
 
 
 def render(r: dict, codecs: list[str], steps: int) -> None:

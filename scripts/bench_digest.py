@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import alternate, machine_line, ratio_rows  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -30,20 +32,15 @@ def main(argv=None) -> int:
 
     size = sum(p.stat().st_size for p in ([args.checkpoint] if args.checkpoint.is_file()
                                             else args.checkpoint.rglob("*.safetensors")))
-    times = {"tree": [], "flat": []}
-    for scheme in times:
-        checkpoint_digest_of(args.checkpoint, scheme=scheme)
-    for _ in range(args.repeats):
-        for scheme in times:
-            start = time.perf_counter()
-            checkpoint_digest_of(args.checkpoint, scheme=scheme)
-            times[scheme].append(time.perf_counter() - start)
+    times = alternate({scheme: (lambda scheme=scheme: checkpoint_digest_of(args.checkpoint, scheme=scheme))
+                       for scheme in ("tree", "flat")}, args.repeats)
+    print(machine_line(tools=False))
     print(f"{args.checkpoint} ({size / 1e9:.2f} GB), {num_threads()} threads, medians of {args.repeats}, alternating")
     print("| scheme | s | GB/s |\n|---|---:|---:|")
-    for scheme, t in times.items():
-        m = statistics.median(t)
+    rows = ratio_rows(times, "flat")
+    for scheme, m, _, _ in rows:
         print(f"| {scheme} | {m:.3f} | {size / 1e9 / m:.1f} |")
-    print(f"tree / flat: {statistics.median(times['tree']) / statistics.median(times['flat']):.2f}")
+    print(f"tree / flat: {rows[0][2]:.2f}")
     return 0
 
 

@@ -174,6 +174,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_core import from_tree  # here, not at the top: the child runs this file from another tree
+    from benchlib import machine_line
 
     runs_of = [(tree, codec_id) for tree in args.src or [ROOT] for codec_id in args.codec or ["ctx-rans"]]
     results: dict[tuple, list[dict]] = {run: [] for run in runs_of}
@@ -187,6 +188,7 @@ def main() -> None:
                                   "--density", str(args.density), *codec_args], env=env, capture_output=True,
                                  text=True, check=True)
             results[(tree, codec_id)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(machine_line(tools=False))
     print(f"{args.elements} BF16 elements, density {args.density}, one thread, medians of {args.repeats}\n")
     print("| source | codec | changed values | section bytes | encode M values/s | decode M values/s | decode ns/value "
           "| walk ns/element |")

@@ -53,7 +53,6 @@ nothing and are printed as such.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -62,6 +61,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import alternate, medians  # noqa: E402
 
 SHIFT, MASK = 7, 255  # BF16's exponent field: ctx-rans' class
 
@@ -87,20 +88,18 @@ def sync():
 
 
 def timed(fn, repeats: int, setup=None) -> float:
-    """Median seconds of fn() over `repeats` runs after one warm-up; setup() runs untimed before each."""
-    if setup:
-        setup()
-    fn()
-    times = []
-    for _ in range(repeats):
+    """Median seconds of fn() over `repeats` runs after one warm-up (benchlib.alternate with one case);
+    setup() runs untimed before each, and the device is synchronised before and after each run."""
+    def prepared():
         if setup:
             setup()
         sync()
-        t = time.perf_counter()
+
+    def run(_):
         fn()
         sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+
+    return medians(alternate({"fn": run}, repeats, setup=prepared))["fn"]
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:

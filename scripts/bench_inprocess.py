@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import alternate, medians  # noqa: E402
 
 # Runs in the child: argv = op, old, new, patch, out, count. Prints the median time and the
 # output's SHA-256.
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     print("| tree | " + " | ".join(f"{t} threads" for t in args.threads) + f" | ratio to {first} |")
     print("|---|" + "---:|" * (len(args.threads) + 1))
     for k, tree in enumerate(trees):
-        med = [statistics.median(times[(k, t)]) for t in args.threads]
+        med = [medians(times)[(k, t)] for t in args.threads]
         ratios = ", ".join(f"{m / med[0]:.2f}" for m in med[1:])
         print(f"| {tree} | " + " | ".join(f"{m:.3f} s" for m in med) + f" | {ratios} |")
     return 0
@@ -81,21 +82,23 @@ def _measure(args, trees: list[Path], work: Path) -> dict[tuple[int, str], list[
     for tree, patch in zip(trees, patches):
         subprocess.run([sys.executable, "-c", "import sys; from pulsediff import make_patch; make_patch(*sys.argv[1:])",
                         str(args.old), str(args.new), str(patch)], check=True, env={**os.environ, "PYTHONPATH": str(tree)})
-    times: dict[tuple[int, str], list[float]] = {}
     digests: dict[int, str] = {}
-    for _ in range(args.rounds):
-        for k, tree in enumerate(trees):
-            for threads in args.threads:
-                env = {**os.environ, "PYTHONPATH": str(tree), "PULSEDIFF_THREADS": threads}
-                out = subprocess.run([sys.executable, "-c", CHILD, args.op, str(args.old), str(args.new), str(patches[k]),
-                                      str(work / "out"), str(args.per_process)],
-                                     env=env, capture_output=True, text=True)
-                if out.returncode:
-                    raise SystemExit(f"{tree} at {threads} threads failed: {out.stderr.strip()}")
-                seconds, digest = out.stdout.split()
-                if digests.setdefault(k, digest) != digest:
-                    raise SystemExit(f"{tree} at {threads} threads wrote other bytes than before")
-                times.setdefault((k, threads), []).append(float(seconds))
+
+    def case(k, tree, threads):
+        def run():  # the child's own median of --per-process runs after its warm-up
+            env = {**os.environ, "PYTHONPATH": str(tree), "PULSEDIFF_THREADS": threads}
+            out = subprocess.run([sys.executable, "-c", CHILD, args.op, str(args.old), str(args.new), str(patches[k]),
+                                  str(work / "out"), str(args.per_process)], env=env, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"{tree} at {threads} threads failed: {out.stderr.strip()}")
+            seconds, digest = out.stdout.split()
+            if digests.setdefault(k, digest) != digest:
+                raise SystemExit(f"{tree} at {threads} threads wrote other bytes than before")
+            return float(seconds)
+        return run
+
+    times = alternate({(k, t): case(k, tree, t) for k, tree in enumerate(trees) for t in args.threads}, args.rounds,
+                      warmup=False)
     return times
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import find_pulsediff, pulsediff_from_tree  # noqa: E402
+from benchlib import alternate, machine_line, ratio_rows  # noqa: E402
 
 COMMANDS = ["make", "apply", "squash", "publish", "catch-up", "vllm-sync", "stats", "digest", "keygen", "demo"]
 
@@ -89,19 +88,12 @@ def main(argv=None) -> int:
             base = pulsediff_from_tree(args.baseline_src)
             ops |= {"baseline stats PATCH": [*base, "stats", str(patch)],
                     "baseline help publish": [*base, "publish", "--help"]}
-        for argv_ in ops.values():  # warm: Numba's cache, the page cache, .pyc files
-            timed(argv_)
-        times: dict[str, list[float]] = {name: [] for name in ops}
-        for _ in range(args.rounds):
-            for name, argv_ in ops.items():
-                times[name].append(timed(argv_))
-    floor = statistics.median(times["version"])
-    print(f"machine: {platform.processor() or platform.machine()}, {platform.system()} {platform.release()}, "
-          f"Python {platform.python_version()}; {args.rounds} alternating rounds, medians")
+        # round 0 warms Numba's cache, the page cache and .pyc files, untimed
+        times = alternate({name: (lambda argv_=argv_: timed(argv_)) for name, argv_ in ops.items()}, args.rounds)
+    print(f"{machine_line(tools=False)}; {args.rounds} alternating rounds, medians")
     print(f"{'command':<24} {'median s':>9} {'x version':>10} {'worst s':>8}")
-    for name, xs in times.items():
-        m = statistics.median(xs)
-        print(f"{name:<24} {m:9.3f} {m / floor:10.2f} {max(xs):8.3f}")
+    for name, median, ratio, worst in ratio_rows(times, "version"):
+        print(f"{name:<24} {median:9.3f} {ratio:10.2f} {worst:8.3f}")
     return 0
 
 

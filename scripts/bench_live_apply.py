@@ -23,8 +23,6 @@ than B* the patch delivers a step sooner than the raw changes.
 from __future__ import annotations
 
 import argparse
-import io
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import alternate, machine_line, medians  # noqa: E402
 
 
 def model_case() -> tuple[dict, dict]:
@@ -98,19 +97,20 @@ def measure(name: str, old: dict, new: dict, rounds: int) -> dict:
     def apply(check):
         return lambda live: pulsediff.apply_to_state_dict(live, patch, check=check)
 
-    runs = {"index_copy_": index_copy, "sums": apply("sums"), "digests": apply("digests")}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for r in range(rounds + 1):  # round 0 warms the kernels and the allocator, untimed
-        for label, fn in runs.items():
-            live = {k: v.clone() for k, v in old.items()}
+    def checked(label, fn):  # timed, then checked bit for bit (the check is not timed)
+        def run(live):
             t0 = time.perf_counter()
             fn(live)
             took = time.perf_counter() - t0
             if not all(torch.equal(live[k].view(torch.int16), target[k]) for k in live):
                 raise SystemExit(f"{name}: {label} did not rebuild the target bit for bit")
-            if r:
-                times[label].append(took)
-    med = {k: statistics.median(v) for k, v in times.items()}
+            return took
+        return run
+
+    runs = {"index_copy_": index_copy, "sums": apply("sums"), "digests": apply("digests")}
+    times = alternate({label: checked(label, fn) for label, fn in runs.items()}, rounds,
+                      setup=lambda: {k: v.clone() for k, v in old.items()})  # round 0 warms, untimed
+    med = medians(times)
     out = {"case": name, "tensors": len(old), "elements": sum(t.numel() for t in old.values()), "changes": changes,
            "patch_bytes": len(patch), "raw_bytes": 6 * changes, "median_s": med}
     for check in ("sums", "digests"):
@@ -138,9 +138,8 @@ def main(argv=None) -> int:
             save_file(tensors, str(args.save_moe / f"{name}.safetensors"), metadata={"format": "pt"})
         print(args.save_moe / "old.safetensors", args.save_moe / "new.safetensors")
         return 0
-    from bench import machine, machine_line
 
-    print(machine_line(machine()))
+    print(machine_line())
     builders = {"model": model_case, "moe": lambda: moe_case(args.moe_tensors), "qwen2": lambda: qwen2_case(args.layers)}
     print(f"{'case':<7} {'tensors':>8} {'elements':>12} {'changes':>10} {'patch':>10} {'index_copy_':>12} "
           f"{'sums':>9} {'digests':>9} {'x sums':>7} {'x dig':>7} {'B* sums':>9} {'B* dig':>9}")

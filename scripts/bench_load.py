@@ -15,7 +15,6 @@ ratio near 2 is the proportional slowdown.
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from bench_core import pulsediff_from_tree  # noqa: E402
+from benchlib import alternate, machine_line, medians  # noqa: E402
 
 
 def run_make(tree: Path, old: Path, new: Path, out: Path) -> float:
@@ -43,31 +43,33 @@ def main() -> None:
     ap.add_argument("--src", action="append", type=Path, help="source tree to run pulsediff from (repeatable)")
     args = ap.parse_args()
     trees = args.src or [ROOT]
-    times = {(str(t), mode): [] for t in trees for mode in ("idle", "loaded")}
     with tempfile.TemporaryDirectory() as work:
         out = Path(work) / "p.pulsediff"
-        for tree in trees:  # warm-up: JIT caches, page cache
-            run_make(tree, args.old, args.new, out)
-        for _ in range(args.repeats):
-            for tree in trees:
-                times[(str(tree), "idle")].append(run_make(tree, args.old, args.new, out))
-                spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                            for _ in range(args.competitors)]
-                try:
-                    time.sleep(0.5)  # let them get going
-                    times[(str(tree), "loaded")].append(run_make(tree, args.old, args.new, out))
-                finally:
-                    for p in spinners:
-                        p.kill()
-                        p.wait()
+
+        def loaded(tree):
+            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.competitors)]
+            try:
+                time.sleep(0.5)  # let them get going
+                return run_make(tree, args.old, args.new, out)
+            finally:
+                for p in spinners:
+                    p.kill()
+                    p.wait()
+
+        cases = {}
+        for tree in trees:
+            cases[(str(tree), "idle")] = lambda tree=tree: run_make(tree, args.old, args.new, out)
+            cases[(str(tree), "loaded")] = lambda tree=tree: loaded(tree)
+        times = alternate(cases, args.repeats)  # round 0 warms JIT caches and the page cache, untimed
+    med = medians(times)
+    print(machine_line(tools=False))
     print(f"make {args.old.name} -> {args.new.name}, medians of {args.repeats}, "
           f"{args.competitors} competing CPU-bound processes when loaded\n")
     print("| source | idle s | loaded s | loaded / idle |")
     print("|---|---:|---:|---:|")
     for tree in trees:
-        idle = statistics.median(times[(str(tree), "idle")])
-        loaded = statistics.median(times[(str(tree), "loaded")])
-        print(f"| {tree} | {idle:.2f} | {loaded:.2f} | {loaded / idle:.1f}x |")
+        idle, busy = med[(str(tree), "idle")], med[(str(tree), "loaded")]
+        print(f"| {tree} | {idle:.2f} | {busy:.2f} | {busy / idle:.1f}x |")
 
 
 if __name__ == "__main__":

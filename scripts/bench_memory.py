@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import alternate, machine_line, ratio_rows  # noqa: E402
 
 CASES = {
     "anon: np.empty + fill": """
@@ -89,18 +89,17 @@ def main() -> int:
                 for _ in range(args.mib):
                     f.write(os.urandom(1 << 20))
         path.read_bytes()  # into the page cache
-        times: dict[str, list[float]] = {name: [] for name in CASES}
-        for _ in range(args.repeats):
-            for name, code in CASES.items():
-                prelude = f"N = {n}\nPATH = {str(path)!r}\nOUTDIR = {str(path.parent if args.file else tmp)!r}\n"
-                out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
-                                     check=True, cwd=ROOT)
-                times[name].append(float(out.stdout.strip()))
-    print(f"machine: {os.cpu_count()} CPUs, {platform.platform()}; {args.mib} MiB, medians of {args.repeats}, "
-          f"each in a fresh process")
-    for name, t in times.items():
-        med = statistics.median(t)
-        print(f"  {name:<46} {med:7.3f} s  ({args.mib / 1024 / med:6.2f} GiB/s; min {min(t):.3f}, max {max(t):.3f})")
+        prelude = f"N = {n}\nPATH = {str(path)!r}\nOUTDIR = {str(path.parent if args.file else tmp)!r}\n"
+
+        def case(code):  # the child's own time of its region
+            return lambda: float(subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
+                                                check=True, cwd=ROOT).stdout.strip())
+
+        times = alternate({name: case(code) for name, code in CASES.items()}, args.repeats, warmup=False)
+    print(f"{machine_line(tools=False)}; {args.mib} MiB, medians of {args.repeats}, each in a fresh process")
+    for name, med, _, worst in ratio_rows(times, next(iter(CASES))):
+        t = times[name]
+        print(f"  {name:<46} {med:7.3f} s  ({args.mib / 1024 / med:6.2f} GiB/s; min {min(t):.3f}, max {worst:.3f})")
     return 0
 
 

@@ -21,7 +21,6 @@ import argparse
 import filecmp
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from benchlib import alternate, medians  # noqa: E402
 
 
 def run(cmd: list[str], env: dict) -> float:
@@ -86,26 +87,37 @@ def main(argv=None) -> int:
         label, names = "--codec", list(args.codecs)
         setting = {n: ({}, ["--codec", n], []) for n in names}
     cli = [sys.executable, "-m", "pulsediff"]
-    times: dict[tuple[str, str], list[float]] = {}
-    for r in range(args.repeats + 1):
-        for name in names:
-            env, make_extra, apply_extra = setting[name]
-            patch, out, tp = work / f"p.{name}", work / f"out.{name}.safetensors", work / f"tp.{name}"
-            for p in (patch, out, tp):
-                if p.exists():
-                    p.unlink()
-            row = {"make": run([*cli, "make", str(old), str(new), "-o", str(patch), "-q", *make_extra], env),
-                   "apply": run([*cli, "apply", str(old), str(patch), "-o", str(out), "-q", *apply_extra], env),
-                   "start": run([*cli, "make", str(t_old), str(t_new), "-o", str(tp), "-q", *make_extra], env)}
-            first = work / f"p.first.{name}"
+    def fresh(*paths):
+        for p in paths:
+            if p.exists():
+                p.unlink()
+
+    def cases_of(name):
+        env, make_extra, apply_extra = setting[name]
+        patch, out, tp = work / f"p.{name}", work / f"out.{name}.safetensors", work / f"tp.{name}"
+        first = work / f"p.first.{name}"
+
+        def make():
+            fresh(patch)
+            return run([*cli, "make", str(old), str(new), "-o", str(patch), "-q", *make_extra], env)
+
+        def apply():
+            fresh(out)
+            took = run([*cli, "apply", str(old), str(patch), "-o", str(out), "-q", *apply_extra], env)
             if not first.exists():
                 shutil.copyfile(patch, first)
             if not filecmp.cmp(patch, first, shallow=False) or not filecmp.cmp(out, new, shallow=False):
                 raise SystemExit(f"{label} {name}: patch or output differs")
-            if r:
-                for k, v in row.items():
-                    times.setdefault((k, name), []).append(v)
-    med = {k: statistics.median(v) for k, v in times.items()}
+            return took
+
+        def start():
+            fresh(tp)
+            return run([*cli, "make", str(t_old), str(t_new), "-o", str(tp), "-q", *make_extra], env)
+
+        return {("make", name): make, ("apply", name): apply, ("start", name): start}
+
+    times = alternate({key: case for name in names for key, case in cases_of(name).items()}, args.repeats)
+    med = medians(times)
     base = names[0]
     print(f"\n{os.path.getsize(new) / 1e9:.3f} GB pair ({new.name}), {args.repeats} rounds alternating, medians; "
           "every patch identical within its variant, every output cmp-identical to NEW\n")

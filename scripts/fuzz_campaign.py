@@ -51,7 +51,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import re
 import shutil
@@ -67,6 +66,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import machine_line  # noqa: E402
 
 
 # -- workers ------------------------------------------------------------------------
@@ -561,15 +562,6 @@ def remote_trials(n: int, root: Path, seed: int = 0) -> dict:
 # -- main ----------------------------------------------------------------------------
 
 
-def machine() -> str:
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()} vCPU {model}, Python {platform.python_version()}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=100_000)
@@ -598,7 +590,7 @@ def main() -> None:
         print(fc.run_case(args.replay[0], int(args.replay[1]), corpus, root / "replay"))
         return
     fingerprint = fc.snapshot(corpus.root)
-    report = {"machine": machine(), "workers": args.workers, "timeout_s": args.timeout, "mem_gib": args.mem_gib,
+    report = {"machine": machine_line(tools=False), "workers": args.workers, "timeout_s": args.timeout, "mem_gib": args.mem_gib,
               "numba_threads": args.numba_threads}
     if args.cases:
         report.update(run_cases(args, corpus.root, root / "work"))

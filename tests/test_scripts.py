@@ -160,3 +160,38 @@ def test_profile_gpu_live_tiny_runs_and_checks_bit_for_bit():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bit for bit: yes" in proc.stdout
     assert "### cProfile by tottime" in proc.stdout and "### cProfile by cumtime" in proc.stdout
+
+
+def test_every_script_is_a_listed_benchmark_or_a_helper_and_bench_list_prints_them():
+    """Issue 47: one list of the benchmarks (`bench.py --list`); a new script must say which it is."""
+    sys.path.insert(0, str(SCRIPTS))
+    import benchlib
+
+    listed = [b.script for b in benchlib.BENCHMARKS]
+    on_disk = {p.name for p in SCRIPTS.iterdir() if p.suffix in (".py", ".sh")}
+    assert len(set(listed)) == len(listed) and set(listed).isdisjoint(benchlib.HELPERS)
+    assert set(listed) | set(benchlib.HELPERS) == on_disk
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--list"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert all(f"{name}  " in proc.stdout for name in listed)
+
+
+def test_alternate_runs_every_case_once_per_round_in_turn():
+    """benchlib.alternate: case order within each round, round 0 untimed, a fresh setup value per call,
+    and a case that returns a number times itself."""
+    sys.path.insert(0, str(SCRIPTS))
+    import benchlib
+
+    calls, made = [], []
+
+    def setup():
+        made.append(len(made))
+        return made[-1]
+
+    cases = {"a": lambda v: calls.append(("a", v)), "b": lambda v: (calls.append(("b", v)), 7.5)[1]}
+    times = benchlib.alternate(cases, 3, setup=setup)
+    assert [c for c, _ in calls] == ["a", "b"] * 4 and [v for _, v in calls] == list(range(8))
+    assert len(times["a"]) == len(times["b"]) == 3 and times["b"] == [7.5] * 3 and all(0 <= t < 1 for t in times["a"])
+    assert benchlib.ratio_rows(times, "b")[1] == ("b", 7.5, 1.0, 7.5)
+    assert len(benchlib.alternate({"a": lambda: None}, 2, warmup=False)["a"]) == 2
