@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from benchlib import alternate  # noqa: E402
 
 
 @dataclass
@@ -298,20 +300,30 @@ def bench(args, pulsediff: list[str], work: Path) -> int:
     if not args.no_warmup:
         print("warm-up: one untimed round of every command (page caches cannot be dropped "
               "without root, so all timings below are warm-cache)", file=sys.stderr)
-        for op in ops:
-            run(op)
+    last: dict[str, tuple[int, int]] = {}  # the newest run's peak RSS and private memory per command
     cmp_ok = True
-    for r in range(args.repeats):
-        for op in ops:
+
+    def case(op: Op):
+        def go() -> float:
             dt, rss, private = run(op)
-            op.times.append(dt)
-            op.peak_rss_kib.append(rss)
-            op.peak_private_kib.append(private)
+            last[op.name] = (rss, private)
+            return dt
+        return go
+
+    def after_round(times: dict[str, list[float]]) -> None:
+        nonlocal cmp_ok
+        for op in ops:
+            op.peak_rss_kib.append(last[op.name][0])
+            op.peak_private_kib.append(last[op.name][1])
         same = identical(out, new) and (baseline_out is None or identical(baseline_out, new))
         cmp_ok &= same
-        print(f"repeat {r + 1}/{args.repeats}: make {by_name['make'].times[-1]:.2f} s, "
-              f"apply {by_name['apply'].times[-1]:.2f} s, cmp OUT NEW: {'ok' if same else 'DIFFERENT'}",
-              file=sys.stderr)
+        print(f"repeat {len(times['make'])}/{args.repeats}: make {times['make'][-1]:.2f} s, "
+              f"apply {times['apply'][-1]:.2f} s, cmp OUT NEW: {'ok' if same else 'DIFFERENT'}", file=sys.stderr)
+
+    times = alternate({op.name: case(op) for op in ops}, args.repeats, warmup=not args.no_warmup,
+                      after_round=after_round)
+    for op in ops:
+        op.times = times[op.name]
 
     new_bytes, old_bytes, patch_bytes = size_of(new), size_of(old), patch.stat().st_size
     results = {

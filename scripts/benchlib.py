@@ -70,13 +70,15 @@ def machine_line(env: dict | None = None, tools: bool = True) -> str:
 
 
 def alternate(cases: dict[str, Callable], rounds: int, *, setup: Callable | None = None,
-              warmup: bool = True) -> dict[str, list[float]]:
+              warmup: bool = True, after_round: Callable | None = None) -> dict[str, list[float]]:
     """Each case's seconds in each of `rounds` rounds, every round running every case once, in the
     order given. A case is called with `setup()`'s value when `setup` is given (made fresh for each
     call, untimed: a copy of the base to write into, say), else with nothing. Its time is the
     wall-clock time of the call, or what the call returns when that is a number (a case that
     times itself: a region inside it, a subprocess's own clock). With `warmup`, a round 0 runs
-    first and is not counted (kernels compiled and loaded, caches and allocators warm)."""
+    first and is not counted (kernels compiled and loaded, caches and allocators warm).
+    `after_round(times)`, if given, runs after each counted round (a check of its outputs, a
+    progress line)."""
     times: dict[str, list[float]] = {name: [] for name in cases}
     for r in range(rounds + (1 if warmup else 0)):
         for name, case in cases.items():
@@ -88,6 +90,8 @@ def alternate(cases: dict[str, Callable], rounds: int, *, setup: Callable | None
                 took = float(got)
             if r or not warmup:
                 times[name].append(took)
+        if after_round is not None and (r or not warmup):
+            after_round(times)
     return times
 
 
