@@ -16,7 +16,7 @@
 #   bench   (~5 min on the 7B shape: it makes a 7B patch twice, from host copies and from CUDA
 #            state dicts, each tens of seconds today);
 #   threads (~2 min: make and apply of a 1 GB pair at PULSEDIFF_THREADS 1 2 4 8 16, alternating);
-#   tests   (~3 min);
+#   tests   (~1 min with pytest-xdist, 8 workers; ~3 min without);
 #   cli     (~2 min).
 # Each phase is cut off after its limit (seconds: BENCH_LIMIT 330, THREADS_LIMIT 150, TESTS_LIMIT
 # 150, CLI_LIMIT 120), so `all` ends within about 12.5 minutes and a slow phase leaves the rest
