@@ -98,7 +98,8 @@ fi
 if want tests; then
     echo "== tests on the device"
     TESTS="tests/test_kernels_cuda.py tests/test_kernels.py tests/test_class_sort.py tests/test_live.py
-           tests/test_live_sums.py tests/test_device_choice.py tests/test_golden.py tests/test_cli.py"
+           tests/test_live_sums.py tests/test_device_choice.py tests/test_golden.py tests/test_cli.py
+           tests/test_checks_pinned.py"
     # shellcheck disable=SC2086
     # One test that hangs is cut off by pytest-timeout (where its wheel came along), with its
     # stack in the log, and the rest still run; -rfE lists every failure's reason at the end.
