@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats and --steps must be >= 1, --gb > 0, 0 < --density < 1")
 
     t_start = time.perf_counter()
-    env = machine()
+    env = machine(tools=False)
     print(machine_line(env, tools=False), flush=True)
     pulsediff = find_pulsediff(args.pulsediff)
     work = args.workdir

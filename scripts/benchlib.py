@@ -22,9 +22,10 @@ from typing import Callable
 # --- the machine -----------------------------------------------------------------------------
 
 
-def machine() -> dict:
+def machine(tools: bool = True) -> dict:
     """The facts a figure needs beside it: cores (and those this process may use), CPU model,
-    RAM, platform, Python, load average now, and the compression tools' versions."""
+    RAM, platform, Python, load average now, and with `tools` the compression tools' versions
+    (two subprocesses)."""
     model = "?"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -39,6 +40,12 @@ def machine() -> dict:
     except (OSError, AttributeError):
         pass
 
+    env = {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": model,
+           "ram": f"{ram_gib:.1f} GiB" if ram_gib is not None else "?", "ram_gib": ram_gib,
+           "platform": platform.platform(), "python": sys.version.split()[0], "loadavg": os.getloadavg()}
+    if not tools:
+        return env
+
     def version(cmd: list[str]) -> str:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
@@ -52,15 +59,12 @@ def machine() -> dict:
         pyzstd = f"python-zstandard {zstandard.__version__} (libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))})"
     except ImportError:
         pyzstd = "python-zstandard not installed"
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": model,
-            "ram": f"{ram_gib:.1f} GiB" if ram_gib is not None else "?", "ram_gib": ram_gib,
-            "platform": platform.platform(), "python": sys.version.split()[0], "loadavg": os.getloadavg(),
-            "zstd": version(["zstd", "-V"]), "xdelta3": version(["xdelta3", "-V"]), "pyzstd": pyzstd}
+    return {**env, "zstd": version(["zstd", "-V"]), "xdelta3": version(["xdelta3", "-V"]), "pyzstd": pyzstd}
 
 
 def machine_line(env: dict | None = None, tools: bool = True) -> str:
     """One line (two with `tools`) naming the machine a table was measured on."""
-    env = machine() if env is None else env
+    env = machine(tools) if env is None else env
     line = (f"machine: nproc {env['nproc']} (affinity {env['affinity']}), {env['cpu']}, RAM {env['ram']}, "
             f"{env['platform']}, Python {env['python']}, load avg {env['loadavg'][0]:.2f}")
     return line + (f"\ntools:   {env['zstd']}; {env['xdelta3']}; {env['pyzstd']}" if tools else "")

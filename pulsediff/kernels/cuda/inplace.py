@@ -11,9 +11,7 @@ from pulsediff.kernels.cuda.common import (INT64_MAX, SHARED_ITEM, UNSIGNED, add
                                            bits_dtype, block_sum, buffers, copy_into, device_view, fill_int64,
                                            host_bits, is_device_array, launch_config, width_mask, zigzag_deltas)
 from pulsediff.kernels.cuda.ranks import check_class_field
-from pulsediff.kernels.cuda.tiles import (TILE, TILE_LISTED, TILE_THREADS, UNLISTED, locate_ranked,
-                                          scan_tile_counts_on_device, settle_found, tile_entry_bounds,
-                                          tile_listed_counts, tile_locate, tile_shared_layout)
+from pulsediff.kernels.cuda.tiles import TILE, TILE_LISTED, UNLISTED, count_tiles, locate_in_tiles, locate_ranked
 
 
 _PHI = np.uint64(WORD_SUM_PHI)
@@ -272,17 +270,11 @@ def _locate_add_tiled(d_base, shift, mask, offsets, listed, ranks, deltas, d_whe
 
     tiles = -(-n // TILE)
     counts = buffers.get("device", "tile-counts", tiles * nlisted, np.int64).reshape(tiles, nlisted)
-    shared, at = tile_shared_layout(nlisted)
-    grid_t = min(tiles, max_blocks)
-    tile_listed_counts[grid_t, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, nlisted, at, counts,
-                                                         result[:ncls])
-    totals = scan_tile_counts_on_device(counts, nlisted)
+    totals = count_tiles(d_base, shift, mask, d_lut, nlisted, counts, result[:ncls])
     copy_into[1, tpb](totals, result[sizes_at:sizes_at + nlisted])
     bounds = buffers.get("device", "tile-bounds", (tiles + 1) * nlisted, np.int64).reshape(tiles + 1, nlisted)
-    tile_entry_bounds[min(-(-(tiles + 1) * nlisted // tpb), max_blocks), tpb](counts, d_lo, d_hi, d_ranks, bounds)
-    tile_locate[grid_t, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, nlisted, at, counts, bounds, d_ranks,
-                                                  d_where)
-    settle_found[grid_m, tpb, 0, tpb * SHARED_ITEM](d_ranks, d_lo, d_where, result[found_at:sizes_at])
+    locate_in_tiles(d_base, shift, mask, d_lut, nlisted, counts, bounds, d_lo, d_hi, d_ranks, d_where,
+                    result[found_at:sizes_at])
     old = d_old.view(np.int64) if d_old.dtype.itemsize == 8 else d_old
     _add_at[grid_m, tpb, 0, tpb * SHARED_ITEM](d_base, d_where, d_deltas, width_mask(d_base.dtype.itemsize), old,
                                                 result[sizes_at + nlisted:before_at])

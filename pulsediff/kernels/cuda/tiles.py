@@ -209,30 +209,49 @@ def settle_found(ranks, class_lo, where, found):
         cuda.atomic.add(found, 0, block)
 
 
-def _scan_tile_counts(counts, nlisted: int):
+def scan_tile_counts(counts, nlisted: int):
     """In place: counts[tile, slot] -> the listed class's elements before the tile; returns the
-    listed classes' sizes (host). torch's cumsum (CUB's scan) on a real GPU: the column scan
-    kernel above takes 8 columns per block, too few blocks for a table of every tile's counts.
-    The scan runs along the innermost dimension of the transposed table: torch scans an outer
-    dimension with one thread per column walking every row (a few dozen threads for the whole
-    table), the innermost one with a block per row (issue 45; not yet timed on a GPU). Bytes:
-    the table read and written twice more by the transposes, 16 bytes per tile and class."""
-    if sort_on_gpu(counts):
-        return exclusive_scan_tiles(torch_of(counts).view(counts.shape)).cpu().numpy()
-    return starts_from_histograms(counts, nlisted).copy_to_host()
-
-
-def scan_tile_counts_on_device(counts, nlisted: int):
-    """_scan_tile_counts with the listed classes' sizes left on the device (no synchronisation)."""
+    listed classes' sizes, left on the device (no synchronisation). torch's cumsum (CUB's scan) on
+    a real GPU: the column scan kernel above takes 8 columns per block, too few blocks for a table
+    of every tile's counts. The scan runs along the innermost dimension of the transposed table:
+    torch scans an outer dimension with one thread per column walking every row (a few dozen
+    threads for the whole table), the innermost one with a block per row (issue 45). Bytes: the
+    table read and written twice more by the transposes, 16 bytes per tile and class."""
     if sort_on_gpu(counts):
         return as_cuda_array(exclusive_scan_tiles(torch_of(counts).view(counts.shape)), sync=False)
     return starts_from_histograms(counts, nlisted)
 
 
+def count_tiles(d_base, shift: int, mask: int, d_lut, nlisted: int, counts, unlisted):
+    """Launches, no synchronisation: each tile's counts of the `nlisted` listed classes into
+    `counts` (then scanned: each tile's first rank per listed class), the unlisted classes'
+    sizes added into `unlisted`. Returns the listed classes' sizes on the device."""
+    _, _, max_blocks = launch_config()
+    shared, at = tile_shared_layout(nlisted)
+    tile_listed_counts[min(counts.shape[0], max_blocks), TILE_THREADS, 0, shared](
+        d_base, shift, mask, d_lut, nlisted, at, counts, unlisted)
+    return scan_tile_counts(counts, counts.shape[1])
+
+
+def locate_in_tiles(d_base, shift: int, mask: int, d_lut, nlisted: int, counts, bounds, d_lo, d_hi, d_ranks,
+                    where, found) -> None:
+    """Launches, no synchronisation, after count_tiles: each tile's entry bounds into `bounds`,
+    the entries' positions into `where` (filled with -1 beforehand), and the settle of entries
+    whose ranks do not rise; the entries found are added into found[0]."""
+    tpb, _, max_blocks = launch_config()
+    tiles = counts.shape[0]
+    shared, at = tile_shared_layout(nlisted)
+    m = d_ranks.size
+    tile_entry_bounds[min(-(-(tiles + 1) * nlisted // tpb), max_blocks), tpb](counts, d_lo, d_hi, d_ranks, bounds)
+    tile_locate[min(tiles, max_blocks), TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, nlisted, at, counts,
+                                                                  bounds, d_ranks, where)
+    settle_found[min(-(-m // tpb), max_blocks), tpb, 0, tpb * SHARED_ITEM](d_ranks, d_lo, where, found)
+
+
 def exclusive_scan_tiles(table):
     """In place on a torch (tile, slot) table of counts: each entry becomes the sum of its column
     above it; returns the column totals. The scan runs along the innermost dimension of the
-    transposed table (see _scan_tile_counts)."""
+    transposed table (see scan_tile_counts)."""
     import torch
 
     # (slot, tile): each class's tiles innermost; a copy always (contiguous() of a transpose with a
@@ -276,10 +295,7 @@ def tile_locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
     # Every cell is written where a class is listed (no copy of zeros over the bus); else one column of zeros.
     counts = cuda.device_array((tiles, nlisted), np.int64) if listed.size else zeros((tiles, 1), np.int64)
     unlisted = zeros(ncls, np.int64)
-    grid = min(tiles, max_blocks)
-    shared, at = tile_shared_layout(listed.size)
-    tile_listed_counts[grid, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, listed.size, at, counts, unlisted)
-    listed_sizes = _scan_tile_counts(counts, nlisted)  # counts -> each tile's first ranks
+    listed_sizes = count_tiles(d_base, shift, mask, d_lut, listed.size, counts, unlisted).copy_to_host()
     sizes = unlisted.copy_to_host()
     sizes[listed] = listed_sizes[:listed.size]
     if not m:
@@ -287,11 +303,8 @@ def tile_locate_ranked(base, shift: int, mask: int, class_offsets, ranks):
     bounds = cuda.device_array((tiles + 1, nlisted), np.int64)
     d_lo = cuda.to_device(np.ascontiguousarray(offsets[listed], np.int64))
     d_hi = cuda.to_device(np.ascontiguousarray(offsets[listed + 1], np.int64))
-    tile_entry_bounds[min(-(-(tiles + 1) * nlisted // tpb), max_blocks), tpb](counts, d_lo, d_hi, d_ranks, bounds)
-    tile_locate[grid, TILE_THREADS, 0, shared](d_base, shift, mask, d_lut, listed.size, at, counts, bounds, d_ranks,
-                                                where)
     found = zeros(1, np.int64)
-    settle_found[min(-(-m // tpb), max_blocks), tpb, 0, tpb * SHARED_ITEM](d_ranks, d_lo, where, found)
+    locate_in_tiles(d_base, shift, mask, d_lut, listed.size, counts, bounds, d_lo, d_hi, d_ranks, where, found)
     return where, int(found.copy_to_host()[0]), sizes
 
 
