@@ -500,3 +500,34 @@ def test_patches_with_and_without_word_sums(version):
     assert advance.status == "applied" and state.digest == state_dict_digest(want, scheme="flat")  # patches before 1.4
     for name, t in want.items():
         assert torch.equal(state.tensors[name].view(torch.int16), t.view(torch.int16)), name
+
+
+class _RefusingLLM:
+    """The four calls update_llm makes, the update refused as vLLM reports a worker's error: wrapped."""
+
+    def __init__(self, line: str):
+        self.line, self.calls = line, []
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def update_weights(self, request):
+        self.calls.append("update")
+        raise RuntimeError(f"Call to collective_rpc method failed: Worker failed with error '{self.line}', "
+                           "please check the stack trace above for the root cause")
+
+    def update_weight_version(self, version):
+        self.calls.append(f"version {version}")
+
+
+@pytest.mark.parametrize("ending", ["(the engine keeps its weights)",
+                                    "(the engine's weights are undefined: the next update loads every tensor)"])
+def test_update_llm_refuses_with_the_workers_own_line(series, ending):
+    from pulsediff.engines.vllm_client import update_llm
+
+    _, outbox = series
+    llm = _RefusingLLM(f"pulsediff: step 2 in {outbox}: damaged {ending}")
+    with pytest.raises(PulsediffError) as refused:
+        update_llm(llm, str(outbox), step=2)
+    assert str(refused.value) == f"step 2 in {outbox}: damaged {ending}"
+    assert llm.calls[-1] == ("version undefined" if "undefined" in ending else "update")  # no finish

@@ -121,6 +121,9 @@ def update_llm(llm, source: str, *, step: int | None = None, trust=None, trust_s
     except Exception as exc:
         if UNDEFINED in str(exc):
             llm.update_weight_version(UNDEFINED_VERSION)
+        text = " ".join(str(exc).split())
+        if "pulsediff: " in text:  # a worker's refusal: its one line, not vLLM's wrapping of it
+            raise PulsediffError(worker_line(text)) from exc
         raise
     llm.finish_weight_update(weight_version=target.version)
     llm.reset_prefix_cache()
@@ -224,13 +227,18 @@ def _detail(body: bytes) -> str:
             text = str(got.get("detail") or got.get("error") or got.get("message") or text)
     except ValueError:
         pass
-    text = " ".join(text.split())
-    if "pulsediff: " in text:  # the worker's own line, inside vLLM's wrapping ("...'<line>', please check ...")
+    return worker_line(" ".join(text.split()))[:1000]
+
+
+def worker_line(text: str) -> str:
+    """A worker's own line (engines/vllm.py's "pulsediff: ... (the engine keeps its weights)") cut out of
+    vLLM's wrapping of it ("...'<line>', please check the stack trace ..."); other text as it is."""
+    if "pulsediff: " in text:
         text = text[text.index("pulsediff: ") + len("pulsediff: "):]
         for ending in (KEPT, UNDEFINED):
             if ending in text:
                 text = text[:text.index(ending) + len(ending)]
-    return text[:1000]
+    return text
 
 
 @dataclass(frozen=True)
