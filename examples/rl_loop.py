@@ -394,9 +394,12 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
                     update_llm(llm, str(outbox), step=step, **trust)
                 except Exception as exc:
                     say(f"step {step}: engine stays at step {engine_at}: {one_line(exc)}")
-                worker_at = worker.at
+                worker.wait_for(step, seconds=2)  # the step is not in the series: the worker must not reach it
+                if worker.at is not None and worker.at >= step:
+                    failures.append(f"step {step}: the file worker reached a step that was never published")
+                say(f"step {step}: file worker stays at step {worker.at}")
                 publisher.start()
-                say(f"step {step}: publisher restarted; file worker at step {worker_at}")
+                say(f"step {step}: publisher restarted")
                 rec.update(engine_at=engine_at, worker_rss_kib=llm.collective_rpc(worker_rss_kib)[0])
                 keep(rec)
                 continue

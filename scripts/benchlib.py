@@ -158,6 +158,9 @@ BENCHMARKS = (
               "python scripts/bench_catchup.py --help"),
     Benchmark("bench_vllm.py", "updates into a running vLLM engine against its own reload (engine venv)",
               "python scripts/bench_vllm.py --rounds 3 --layers 16"),
+    Benchmark("soak_rl.py", "issue 46: the RL loop (examples/rl_loop.py) for 300 steps with both faults: patch bytes, "
+              "pauses, the engine worker's memory, beside TRL's delta format re-created (engine venv)",
+              "python scripts/soak_rl.py --steps 300"),
     Benchmark("bench_gpu.py", "each CUDA kernel's bandwidth, the 7B live apply and make on a GPU",
               "scripts/gpu_check.sh bench"),
     Benchmark("profile_gpu_live.py", "where a GPU live apply spends its time (host or device)",

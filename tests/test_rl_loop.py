@@ -47,6 +47,7 @@ def test_readme_rl_loop_runs_ten_steps_through_both_faults(tmp_path):
     assert "step 3: publisher killed while it wrote the step's files" in lines
     (stays,) = [line for line in lines if line.startswith("step 3: engine stays at step 2: ")]
     assert "step 3" in stays.split(": ", 2)[2]
+    assert "step 3: file worker stays at step 2" in lines and "step 3: publisher restarted" in lines
     assert re.search(r"^step 4: reward .* engine at 4$", out, re.M)  # on again once the publisher is back
     # A patch of step 7 broken: the engine and the worker stay at 6, each saying why in one line.
     assert "step 7: patch-00000006-00000007.pulsediff broken in the series" in lines

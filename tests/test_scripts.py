@@ -195,3 +195,26 @@ def test_alternate_runs_every_case_once_per_round_in_turn():
     assert len(times["a"]) == len(times["b"]) == 3 and times["b"] == [7.5] * 3 and all(0 <= t < 1 for t in times["a"])
     assert benchlib.ratio_rows(times, "b")[1] == ("b", 7.5, 1.0, 7.5)
     assert len(benchlib.alternate({"a": lambda: None}, 2, warmup=False)["a"]) == 2
+
+
+def test_soak_rl_summary_reports_medians_worst_steps_and_fails_on_memory_growth_or_a_failed_check():
+    """scripts/soak_rl.py's table from the loop's records (the loop itself needs vLLM: tests/test_rl_loop.py)."""
+    sys.path.insert(0, str(SCRIPTS))
+    from soak_rl import summary
+
+    def record(step, rss, checked=None):
+        r = {"step": step, "changes": 100, "elements": 10_000, "patch_bytes": 90 + step % 3, "trl_bytes": 600,
+             "pause_s": 0.02, "prepare_s": 0.01, "trl_decode_s": 0.001, "rollout_s": 0.1, "train_s": 0.03,
+             "worker_rss_kib": rss}
+        return r if checked is None else {**r, "checked": checked}
+
+    steady = [record(s, 1000 * 1024 + s % 7, checked=True if s % 25 == 0 else None) for s in range(1, 101)]
+    table, failed = summary(steady)
+    assert failed == []
+    assert "| pulsediff patch, bits per changed element | 7.28 | 7.36 | 100 |" in table  # 91 B median, 92 worst
+    assert "| TRL's format re-created, bits per changed element | 48.0 | 48.0 | 100 |" in table
+    assert "checks against a fresh engine and the trainer's digest: 4 of 4 equal" in table
+    grown = steady[:60] + [record(s, 1080 * 1024) for s in range(61, 101)]
+    assert summary(grown)[1] == ["the worker's memory grew 8.0% after step 50"]
+    assert summary(steady[:-1] + [record(100, 1000 * 1024, checked=False)])[1] == [
+        "a check against a fresh engine or the trainer's digest differed"]
