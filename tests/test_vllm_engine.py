@@ -36,12 +36,19 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 STEPS = 3
 
 
+# The driver's engines run their engine core in the driver's process, not in one of its own: a start then
+# costs 4 s instead of 22 (vLLM's imports, 12 s, paid once, not twice). The workers, where the backend runs,
+# are the same; vLLM's default, the engine core in a process of its own, is what the `vllm serve` tests, the
+# README blocks and tests/test_rl_loop.py run.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_engine(plan: dict, work: Path, env: dict | None = None) -> list[dict]:
     plan_path, result_path = work / "plan.json", work / "result.json"
     plan_path.write_text(json.dumps(plan))
     result_path.unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, str(DRIVER), str(plan_path), str(result_path)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **(env or {})})
+                          text=True, timeout=600, env={**os.environ, **IN_PROCESS, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(result_path.read_text())[1:]
 
@@ -69,14 +76,14 @@ def last_load(record: dict) -> str:
     return record["weights"][0]["<last_load>"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist worker while it runs tests of other files
 def qwen2(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-qwen2")
     train = make_series("qwen2", root, STEPS)
     return train, publish(train, root / "outbox", "--anchor-every", "2")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept by its xdist worker while it runs tests of other files
 def qwen2_reference(qwen2, tmp_path_factory):
     """vLLM's own loads: a fresh engine at the last step, then reload_weights from steps 1 and 2."""
     train, _ = qwen2
@@ -117,6 +124,7 @@ def refusals(outbox: Path, work: Path, train: Path) -> dict[str, tuple[dict, str
     }
 
 
+@pytest.mark.xdist_group("qwen2-reference")  # its engine-made reference, made once
 def test_qwen2_follows_a_series_bit_for_bit_and_refuses_bad_updates(qwen2, qwen2_reference, tmp_path):
     train, outbox = qwen2
     bad = refusals(outbox, tmp_path, train)
@@ -270,6 +278,7 @@ def version(url: str) -> str:
         return json.loads(r.read())["weight_version"]
 
 
+@pytest.mark.xdist_group("qwen2-reference")  # its engine-made reference, made once
 def test_vllm_sync_moves_a_running_server_and_refuses_without_touching_it(qwen2, qwen2_reference, tmp_path):
     from vllm_driver import ENV, PROMPT
 
