@@ -91,6 +91,13 @@ CASES = [
 CASE_IDS = [c[0] for c in CASES]
 
 
+def tiered(slow: set[str], cases=CASES) -> list:
+    """`cases` as parameters, those named in `slow` in the slow tier: each simulated case takes 10-15 s,
+    so the default run keeps a set that covers every word width (1, 2, 4, 8 bytes) across the tests
+    that share CASES, and `pytest -m slow` (.ci/run runs it) the rest."""
+    return [pytest.param(c, id=c[0], marks=[pytest.mark.slow] if c[0] in slow else []) for c in cases]
+
+
 def listed_entries(base, shift, mask, positions, ranks, rng, wide=False):
     """What ctx-rans decode hands apply_ranked: entries grouped by class (stable), the
     offsets of each class's entries, zigzag deltas (uint8, or uint64 with values that
@@ -217,7 +224,7 @@ def test_class_ranks_refuses_bad_positions(cuda_k, positions):
 
 # 8-byte elements wrap modulo 2**64 on purpose; the simulator's NumPy scalars warn of it.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", tiered({"f32", "u16-uniform"}))
 def test_apply_ranked(cuda_k, cpu_k, case):
     _, make, shift, mask = case
     rng = np.random.default_rng(5)
@@ -700,7 +707,7 @@ def test_locate_ranked(cuda_k, cpu_k, case):
             np.testing.assert_array_equal(got_sizes, sizes)
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", tiered({"u64-sign", "u16-uniform"}))
 def test_tile_locate_ranked(cuda_k, case):
     """The tile kernels (a device base's rank-to-position map) against the reference: bases of
     several tiles with a short last one, sparse and dense entries, no entries; every class's size.
@@ -775,8 +782,8 @@ def _cpu_and_cuda_locate_add(cuda_k, cpu_k, base, shift, mask, offsets, ranks, d
     return out
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "u16-uniform"],
-                         ids=[i for i in CASE_IDS if i != "u16-uniform"])  # (its many classes: the separate kernels)
+@pytest.mark.parametrize("case", tiered({"f32"}, [c for c in CASES if c[0] != "u16-uniform"]))  # (u16's many
+# classes take the separate kernels)
 def test_locate_add_summed_on_the_device_is_the_cpus(cuda_k, cpu_k, case):
     """The live apply's one-synchronisation path (tile locate, add, word sums before and after,
     read back together) against the CPU's walk that writes as it finds, bit for bit: the tensor,
@@ -907,6 +914,7 @@ def test_ctx_rans_round_trip_across_backends(cuda_k, cpu_k, dtype_name, make):
 
 
 @pytest.mark.skipif(not SIMULATED, reason="runs the benchmark's --tiny mode under the simulator")
+@pytest.mark.slow  # 45 s under the simulator; gpu_check.sh runs the script itself on a GPU
 def test_bench_gpu_tiny_runs_under_the_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--tiny"], env=env,
