@@ -100,6 +100,7 @@ class Trainer:
         self.config = llama_config(VOCAB, D_MODEL, N_LAYERS, N_HEADS, D_FF)
         self.model = LlamaForCausalLM(LlamaConfig(**self.config)).float()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=WARMUP_LR, betas=(0.9, 0.95), weight_decay=0.0)
+        self.previous_bf16: dict | None = None
         self.last_bf16: dict | None = None
 
     def warm_up(self) -> float:
@@ -166,8 +167,9 @@ class Trainer:
 def trl_wire(old: dict, new: dict) -> tuple[int, int, float]:
     """What TRL's delta sync format would send for this step, re-created: per changed tensor its flat int32
     indices and BF16 values in one safetensors file, under zstd (level 3, zstandard's default). Returns the
-    elements changed, its bytes and the seconds a receiver takes to rebuild the step from it (decompress, parse, index_copy_ into
-    a copy of the old weights); the rebuilt weights are checked against the step's, bit for bit."""
+    elements changed, its bytes and the seconds a receiver takes to rebuild the step from it (decompress,
+    parse, index_copy_ into a copy of the old weights); the rebuilt weights are checked against the step's,
+    bit for bit."""
     import torch
     import zstandard
     from safetensors.torch import load, save
@@ -199,11 +201,12 @@ def worker_rss_kib(worker=None) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def preparation(worker) -> tuple[float, str]:
-    """The worker's last preparation: its seconds and why it failed ("" when it did not)."""
+def preparation_seconds(worker) -> float:
+    """The worker's last preparation's seconds, once it has ended (a failed one is redone by the update,
+    which then refuses with its own line)."""
     state = worker.weight_transfer_engine.state
     state.settle()
-    return state.prepare_seconds, state.prepare_error
+    return state.prepare_seconds
 
 
 def answers(llm, prompts: list[list[int]]) -> list:
@@ -250,9 +253,9 @@ class Follower:
         self.start()
 
     def start(self) -> None:
-        err = open(self.log, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pulsediff", *self.args, "--watch", "--json"],
-                                     stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        with open(self.log, "a") as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "pulsediff", *self.args, "--watch", "--json"],
+                                         stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc) -> None:
@@ -347,10 +350,9 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
     from vllm.config import WeightTransferConfig
 
     from pulsediff.engines.vllm_client import prepare_llm, update_llm
-    from pulsediff.ops.inspect import checkpoint_digest_of
     from pulsediff.series import signing
 
-    train, outbox, worker_dir = workdir / "train", workdir / "outbox", workdir / "worker"  # a model folder, as the steps
+    train, outbox, worker_dir = workdir / "train", workdir / "outbox", workdir / "worker"  # worker: a model folder
     train.mkdir(parents=True)
     source, staging, s3 = str(outbox), outbox, None
     if use_s3:  # the series in a bucket of a local S3 server; outbox/ is the folder it serves it from
@@ -401,7 +403,9 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
             train_s = time.perf_counter() - t
             changes, trl_bytes, trl_decode_s = trl_wire(trainer.previous_bf16, trainer.last_bf16)
             rec = {"step": step, "reward": round(mean_reward, 4), "train_s": round(train_s, 4), "changes": changes,
-                   "elements": sum(t.numel() for t in trainer.last_bf16.values()), "trl_bytes": trl_bytes, "trl_decode_s": round(trl_decode_s, 5)}
+                   "elements": sum(t.numel() for t in trainer.last_bf16.values()), "trl_bytes": trl_bytes,
+                   "trl_decode_s": round(trl_decode_s, 5)}
+            patch = outbox / f"patch-{step - 1:08d}-{step:08d}.pulsediff"  # the step's one-step patch
 
             if step == kill_at:
                 how = kill_mid_publish(publisher, staging)
@@ -409,11 +413,10 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
             elif step == break_at:
                 os.kill(worker.proc.pid, signal.SIGSTOP)  # so that it cannot take the step before the break
             published = publisher.proc.poll() is None and publisher.wait_for(step)
-            if published:  # the one-step patch (the step's skip patches and anchor count in published_bytes)
-                rec["patch_bytes"] = (outbox / f"patch-{step - 1:08d}-{step:08d}.pulsediff").stat().st_size
+            if published:  # (the step's skip patches and anchor count in published_bytes)
+                rec["patch_bytes"] = patch.stat().st_size
                 rec["published_bytes"] = publisher.last["bytes"]
             if step == break_at and published:
-                patch = outbox / f"patch-{step - 1:08d}-{step:08d}.pulsediff"
                 broken = (patch, patch.read_bytes())
                 damaged = bytearray(broken[1])
                 damaged[len(damaged) // 2] ^= 0x01
@@ -421,17 +424,14 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
                 os.kill(worker.proc.pid, signal.SIGCONT)
                 say(f"step {step}: {patch.name} broken in the series")
 
-            prepared = False
             if published:
                 prepare_llm(llm, source, step=step, **trust)  # returns at once: the workers decode meanwhile
-                prepared = True
             prompts = counting_runs(PROMPTS, PROMPT_LEN, gen).tolist()
             t = time.perf_counter()
             batch = rollouts(llm, prompts, seed=step)  # with the engine's current weights, beside the preparation
             rec["rollout_s"] = round(time.perf_counter() - t, 4)
-            if prepared:
-                prep_s, prep_error = llm.collective_rpc(preparation)[0]
-                rec["prepare_s"] = round(prep_s, 4)
+            if published:
+                rec["prepare_s"] = round(llm.collective_rpc(preparation_seconds)[0], 4)
             if step == kill_at:  # the series stays without this step until the publisher runs again
                 try:
                     update_llm(llm, source, step=step, **trust)
@@ -473,8 +473,7 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
             rec["engine_at"] = engine_at
             rec["worker_rss_kib"] = llm.collective_rpc(worker_rss_kib)[0]
             if step % check_every == 0 or step == steps:
-                rec["checked"] = check(llm, trainer, worker, train, worker_dir, step, engine_at, failures, say,
-                                       checkpoint_digest_of)
+                rec["checked"] = check(llm, worker, train, worker_dir, step, engine_at, failures, say)
             keep(rec)
             pause = f"pause {rec['pause_s']:.2f} s" if "pause_s" in rec else "no update"
             say(f"step {step}: reward {mean_reward:.3f}, patch {rec.get('patch_bytes', 0)} B "
@@ -493,9 +492,11 @@ def run(workdir: Path, steps: int, check_every: int, faults: bool, record_path: 
     return 1 if failures else 0
 
 
-def check(llm, trainer, worker, train: Path, worker_dir: Path, step: int, engine_at: int, failures: list,
-          say, checkpoint_digest_of) -> bool:
+def check(llm, worker: Follower, train: Path, worker_dir: Path, step: int, engine_at: int, failures: list,
+          say) -> bool:
     """The engine against a fresh engine on the same step; the file worker's digest against the trainer's."""
+    from pulsediff.ops.inspect import checkpoint_digest_of
+
     ok = True
     if engine_at != step:
         failures.append(f"step {step}: engine at step {engine_at}")
@@ -506,7 +507,7 @@ def check(llm, trainer, worker, train: Path, worker_dir: Path, step: int, engine
             failures.append(f"step {step}: the engine's answers differ from a fresh engine's: {live} != {fresh}")
             ok = False
     if not worker.wait_for(step):
-        failures.append(f"step {step}: the file worker did not reach it ({(worker.log).read_text()[-500:]})")
+        failures.append(f"step {step}: the file worker did not reach it ({worker.log.read_text()[-500:]})")
         return False
     want = checkpoint_digest_of(train / step_name(step))
     if checkpoint_digest_of(worker_dir) != want:
