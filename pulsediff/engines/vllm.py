@@ -43,10 +43,12 @@ What happens, in order:
      cannot be written in place): the layerwise reload vLLM's `reload_weights` does, fed from
      the host state instead of the disk. Every tensor goes in: a layer given only part of its
      weights would be finalized with the rest unset.
-   - `sparse` (where a parameter is used as written: GPU engines of models that are not
-     quantized, MLA or MoE, and the CPU backend under PULSEDIFF_VLLM_UNPACKED=1): only the
-     changed elements, as (flat indices, values) in checkpoint coordinates through vLLM's
-     `load_checkpoint_weight_patches`, in batches of at most 512 MiB of staged tensors.
+   - `sparse` (where every layer computes from its parameters as written: GPU engines of models
+     that are not quantized or MLA, MoE layers included under the Triton kernels, and the CPU
+     backend under PULSEDIFF_VLLM_UNPACKED=1, experts too; `transformed_layer` decides, layer by
+     layer): only the changed elements, as (flat indices, values) in checkpoint coordinates
+     through vLLM's `load_checkpoint_weight_patches`, in batches of at most 512 MiB of staged
+     tensors.
    vLLM's loaders are not transactional. If one fails here (out of memory, say), the host
    state is already at the target and the engine's weights are undefined: the error says so,
    and the next update loads every tensor from the host state whatever it changes. On the CPU
@@ -115,6 +117,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self.state: HostState | None = None
         self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
+        self.reload_reason: str | None = None  # in_place_ok's finding, made once: "" where updates go in sparse
         self.reload_explained = False  # the one line on vLLM's rotary warning at a reload is said (load)
         self.last_prepared = False  # whether the last update went on from a preparation ("prepare")
         self.timings: dict[str, float] = {}  # the last update's seconds: verify_decode, load
@@ -306,20 +309,38 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def in_place_ok(self) -> bool:
         """Whether a write to a parameter is what the next forward pass uses, so that only the changed
-        elements need to go in (the sparse path). Not where vLLM transforms weights after loading them:
-        quantized models (repacked, scaled), MLA attention (derived matrices), MoE layers (reshuffled
-        for their kernels), and the CPU backend's Linear layers unless unpacked (oneDNN handles): there
-        every tensor goes through the layerwise reload, which runs that processing again."""
+        elements need to go in (the sparse path): `transformed_layer()` finds no layer that computes from
+        a transformed copy of its weights."""
+        if self.reload_reason is None:
+            self.reload_reason = self.transformed_layer()
+            if self.reload_reason:
+                logger.info("pulsediff: updates take vLLM's layerwise reload of every tensor: %s", self.reload_reason)
+        return not self.reload_reason
+
+    def transformed_layer(self) -> str:
+        """Why vLLM transforms this model's weights after loading them ("" if it does not), decided layer
+        by layer. Quantized models are repacked and scaled, MLA attention derives matrices; a MoE layer
+        computes from its experts as loaded only when unquantized under the Triton kernels (a GPU's
+        default) or vLLM's CPU experts under PULSEDIFF_VLLM_UNPACKED=1 (the others shuffle, pad or
+        prepack them: FlashInfer, AITER, the CPU grouped gemm), and without expert load balancing (which
+        moves experts between slots); the CPU backend's Linear layers compute from oneDNN handles
+        unless unpacked. Such a layer needs the layerwise reload, which runs that processing again."""
+        from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
         from vllm.platforms import current_platform
 
-        if getattr(self.model_config, "quantization", None) or getattr(self.model_config, "use_mla", False):
-            return False
-        if any("MoE" in type(m).__name__ for m in self.model.modules()):
-            return False
-        if not current_platform.is_cpu():
-            return True
+        if getattr(self.model_config, "quantization", None):
+            return f"a quantized model ({self.model_config.quantization})"
+        if getattr(self.model_config, "use_mla", False):
+            return "MLA attention"
         plain = torch.nn.functional.linear
-        return all(getattr(m, "cpu_linear", plain) is plain for m in self.model.modules())
+        for name, module in self.model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, FusedMoEMethodBase) and not _experts_as_loaded(method):
+                backend = getattr(getattr(method, "unquantized_backend", None), "value", type(method).__name__)
+                return f"MoE layer {name} computes from its experts in the layout of {backend}"
+            if current_platform.is_cpu() and getattr(module, "cpu_linear", plain) is not plain:
+                return f"{name} computes from a oneDNN handle (vLLM's CPU backend; {UNPACKED_ENV}=1 keeps it plain)"
+        return ""
 
     def load(self, state: HostState, changes: dict | None) -> None:
         """Hand the host state's tensors to the engine: those in `changes` (name -> positions or None),
@@ -370,6 +391,19 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                 on_device = [p._replace(values=p.values.to(self.device), indices=None if p.indices is None
                                         else p.indices.to(self.device)) for p in batch]
                 load_checkpoint_weight_patches(self.model, on_device, max_chunk_bytes=STAGING_BYTES)
+
+
+def _experts_as_loaded(method) -> bool:
+    """Whether a MoE layer's method computes from the expert weights as its loader wrote them."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    if type(method) is not UnquantizedFusedMoEMethod or getattr(method.moe.moe_parallel_config, "enable_eplb", True):
+        return False
+    backend = method.unquantized_backend
+    if backend in (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.BATCHED_TRITON):
+        return True
+    return backend == UnquantizedMoeBackend.CPU and getattr(method.experts_cls, "pulsediff_weights_as_loaded", False)
 
 
 def _warm_up(dtypes: set) -> None:
