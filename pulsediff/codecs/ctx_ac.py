@@ -117,7 +117,12 @@ def _decode_both(positions, signs, values, bits: int, count: int, ctx: SectionCo
     """(classes, counts, ranks, deltas) of a section's entries, class-major."""
     ranks = scratch.take(count, np.int64, "ranks")
     classes, counts, ks = _table_room(bits, count)
-    status, listed = adaptive.decode_positions(positions, positions[::-1], 1 << bits, count, classes, counts, ks,
+    # The plain bits are read from the part's end: a reversed copy, read-only where the part is, so that
+    # the kernel has one type whatever the part's length (a reversed view of one byte is contiguous,
+    # of more is not: Numba compiled this 11 s kernel twice).
+    reversed_part = positions[::-1].copy()
+    reversed_part.flags.writeable = positions.flags.writeable
+    status, listed = adaptive.decode_positions(positions, reversed_part, 1 << bits, count, classes, counts, ks,
                                                ranks, ctx.numel)
     if status != entropy.OK:
         raise _damaged(ctx, "position", status)

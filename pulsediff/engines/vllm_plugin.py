@@ -49,12 +49,12 @@ def keep_weights_unpacked() -> None:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # a vLLM without the modular CPU experts: its MoE layers keep the reload path
         return
-    CPUUnquantizedExperts.process_weights_after_loading = _experts_as_loaded
+    CPUUnquantizedExperts.process_weights_after_loading = _no_prepacking
     CPUUnquantizedExperts.apply = _plain_experts
     CPUUnquantizedExperts.pulsediff_weights_as_loaded = True  # engines/vllm.py: MoE layers may take the sparse path
 
 
-def _experts_as_loaded(self, layer) -> None:
+def _no_prepacking(self, layer) -> None:
     """No padding and no prepacking: the layer computes from the weights its loader wrote."""
 
 

@@ -53,6 +53,18 @@ def chunk_ranges(n: int, nchunks: int) -> list[tuple[int, int]]:
     return [(min(n, c * step), min(n, (c + 1) * step)) for c in range(nchunks)]
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    """`a`, or a view of it that cannot be written: what a kernel only reads is handed over read-only
+    whatever its source (a mapped file's bytes are, a tensor's are not), because Numba compiles a
+    kernel again for each combination of writable and read-only arrays (a cold run of the tests
+    compiled _checked_diff_range 19 times, 24 s, where one per element width will do)."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def _slot_capacity(length: int) -> int:
     return max(16, length // _SLOT_FRACTION)
 
@@ -94,6 +106,7 @@ def diff_compact(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
         raise ValueError("diff_compact needs arrays of equal length")  # @njit does no bounds checks
     if n == 0:
         return np.empty(0, np.int64), np.empty(0, new.dtype)
+    old, new = read_only(old), read_only(new)
     parts = parallel_map(_compact_chunk, [(old, new, lo, hi) for lo, hi in chunk_ranges(n, chunk_count(n))])
     return np.concatenate([p for p, _ in parts]), np.concatenate([v for _, v in parts])
 
@@ -227,7 +240,7 @@ def chunk_class_starts(base: np.ndarray, shift: int, mask: int) -> tuple[np.ndar
 
     The number of rows fixes how `apply_ranked` cuts the tensor into ranges.
     """
-    n = base.size
+    n, base = base.size, read_only(base)
     ranges = chunk_ranges(n, chunk_count(n) * 4)  # apply_ranked's tasks: a few per chunk, for balance
     hist = np.zeros((len(ranges), mask + 1), np.int64)
     parallel_map(_class_histogram_range, [(base, lo, hi, shift, mask, hist[c]) for c, (lo, hi) in enumerate(ranges)])
@@ -252,7 +265,7 @@ def _local_ranks_range(base, lo, hi, shift, mask, positions, j, ranks, hist):
 
 def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per changed position (ascending, in range): its rank within its class. Also returns class sizes."""
-    n = base.size
+    n, base = base.size, read_only(base)
     ranges = chunk_ranges(n, chunk_count(n))
     hist = np.zeros((len(ranges), mask + 1), np.int64)
     ranks = np.zeros(positions.size, np.int64)
@@ -389,6 +402,7 @@ def diff_ranks(old: np.ndarray, new: np.ndarray, shift: int,
         raise ValueError("diff_ranks needs arrays of equal length and dtype")  # @njit does no bounds checks
     if not 0 <= mask < (1 << 16):
         raise ValueError("diff_ranks needs a class mask below 2**16")
+    old, new = read_only(old), read_only(new)
     ranges = chunk_ranges(n, chunk_count(n)) if n else []
     hist = np.zeros((max(1, len(ranges)), mask + 1), np.int64)
     parts = parallel_map(_diff_ranks_chunk, [(old, new, lo, hi, shift, mask, hist[c])
@@ -460,7 +474,7 @@ def diff_ranks_checked(old: np.ndarray, new: np.ndarray, shift: int, mask: int, 
         raise ValueError("diff_ranks_checked needs arrays of equal length and dtype")  # @njit does no bounds checks
     if not 0 <= mask < (1 << 16):
         raise ValueError("diff_ranks_checked needs a class mask below 2**16")
-    old, new = np.ascontiguousarray(old).reshape(-1), np.ascontiguousarray(new).reshape(-1)
+    old, new = read_only(np.ascontiguousarray(old).reshape(-1)), read_only(np.ascontiguousarray(new).reshape(-1))
     isz = old.dtype.itemsize
     old_raw, new_raw = old.view(np.uint8), new.view(np.uint8)
     nwords = old_raw.size // 8
@@ -886,7 +900,8 @@ def locate_add_summed(base, shift, mask, class_offsets, ranks, deltas, where, ol
     step = -(-(-(-n // nchunks)) // per) * per  # whole words per range
     ranges = [(lo, min(n, lo + step)) for lo in range(0, n, step)] if n else []
     hist = np.zeros((len(ranges), mask + 1), np.int64)
-    parallel_map(_class_histogram_range, [(base, lo, hi, shift, mask, hist[c]) for c, (lo, hi) in enumerate(ranges)])
+    counted = read_only(base)  # the count only reads (the walk after it writes `base`)
+    parallel_map(_class_histogram_range, [(counted, lo, hi, shift, mask, hist[c]) for c, (lo, hi) in enumerate(ranges)])
     starts = _exclusive_scan_rows(hist)
     parts = parallel_map(_locate_add_range, [(base, lo, hi, shift, mask, starts[c], class_offsets, ranks, deltas,
                                               where, old) for c, (lo, hi) in enumerate(ranges)])
