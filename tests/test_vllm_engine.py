@@ -265,6 +265,71 @@ def test_moe_experts_unpacked_take_sparse_updates_equal_to_a_fresh_engine(tmp_pa
     same_engine(observed(live, "newest"), observed(fresh, "fresh"))
 
 
+def test_plain_experts_compute_what_vllms_cpu_kernel_computes():
+    """PULSEDIFF_VLLM_UNPACKED=1's plain MoE experts against vLLM's own CPU grouped gemm on the same weights:
+    top-2 routing; top-1 with the router weight applied to the input first (Llama 4's way), where it must not
+    be applied again; an expert map that leaves one expert to another rank. Two summation orders, so close
+    to BF16's rounding, not bit for bit (the sparse test above pins the weights bit for bit)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    from pulsediff.engines.vllm_plugin import _plain_experts
+
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens = 4, 128, 64, 9
+    w1 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.05).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    layer = SimpleNamespace(moe_config=SimpleNamespace(activation=SimpleNamespace(value="silu")))
+    packed1, packed2 = cpu_prepack_moe_weight(w1, "vec"), cpu_prepack_moe_weight(w2, "vec")
+    for k, on_input in ((2, False), (1, True)):
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+        weights = torch.rand(tokens, k, generator=gen)
+        given = x * weights.to(x.dtype) if on_input else x  # as vLLM's prepare() hands it over
+        ours, theirs = torch.empty_like(x), torch.empty_like(x)
+        _plain_experts(layer, ours, given, w1, w2, weights, ids, None, experts, None, None, None, None, None, None,
+                       on_input)
+        cpu_fused_moe(theirs, given, packed1, packed2, None, None, weights, ids, "silu", "vec", on_input)
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=0.02, atol=0.01)
+        assert ours.abs().max() > 0.05  # the experts' output, not zeros
+    # expert 3 held by another rank (-1): its tokens' share is left out, as the kernel of that rank adds it
+    ids = torch.full((tokens, 1), 3, dtype=torch.int32)
+    ours = torch.empty_like(x)
+    _plain_experts(layer, ours, x, w1, w2, torch.ones(tokens, 1), ids, None, experts,
+                   torch.tensor([0, 1, 2, -1], dtype=torch.int32), None, None, None, None, None, False)
+    assert not ours.any()
+
+
+def test_moe_layers_take_the_sparse_path_only_where_their_experts_are_used_as_loaded():
+    """The per-layer decision on the branches a CPU engine never reaches: unquantized experts under the
+    Triton kernels are used as loaded; under FlashInfer or AITER (shuffled), with expert load balancing
+    (moved between slots), or a CPU grouped gemm not kept plain, they are not; nor a subclass of the method."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend as B
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    from pulsediff.engines.vllm import _experts_as_loaded
+
+    def method(backend, eplb=False, plain=None, cls=UnquantizedFusedMoEMethod):
+        m = cls.__new__(cls)
+        m.unquantized_backend = backend
+        m.moe = SimpleNamespace(moe_parallel_config=SimpleNamespace(enable_eplb=eplb))
+        m.moe_kernel = SimpleNamespace(fused_experts=SimpleNamespace(pulsediff_weights_as_loaded=plain))
+        return m
+
+    class Derived(UnquantizedFusedMoEMethod):
+        pass
+
+    assert _experts_as_loaded(method(B.TRITON)) and _experts_as_loaded(method(B.BATCHED_TRITON))
+    assert _experts_as_loaded(method(B.CPU, plain=True))
+    assert not any(_experts_as_loaded(m) for m in (
+        method(B.TRITON, eplb=True), method(B.FLASHINFER_CUTLASS), method(B.AITER), method(B.CPU),
+        method(B.CPU, plain=False), method(B.XPU), method(B.TRITON, cls=Derived)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -319,15 +319,21 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
     def transformed_layer(self) -> str:
         """Why vLLM transforms this model's weights after loading them ("" if it does not), decided layer
-        by layer. Quantized models are repacked and scaled, MLA attention derives matrices; a MoE layer
-        computes from its experts as loaded only when unquantized under the Triton kernels (a GPU's
-        default) or vLLM's CPU experts under PULSEDIFF_VLLM_UNPACKED=1 (the others shuffle, pad or
-        prepack them: FlashInfer, AITER, the CPU grouped gemm), and without expert load balancing (which
-        moves experts between slots); the CPU backend's Linear layers compute from oneDNN handles
-        unless unpacked. Such a layer needs the layerwise reload, which runs that processing again."""
-        from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
-        from vllm.platforms import current_platform
-
+        by layer. Quantized models are repacked and scaled, MLA attention derives matrices; a Linear
+        layer computes from its weight as loaded only under the unquantized method (a ROCm router's
+        bf16x3 split is a copy); a MoE layer computes from its experts as loaded only when unquantized
+        under the Triton kernels (a Hopper or ROCm GPU's default) or vLLM's CPU experts kept plain by
+        PULSEDIFF_VLLM_UNPACKED=1 (the others shuffle, pad or prepack them: FlashInfer, AITER, the CPU
+        grouped gemm), and without expert load balancing (which moves experts between slots); the CPU
+        backend's Linear layers compute from oneDNN handles unless unpacked. Such a layer needs the
+        layerwise reload, which runs that processing again. A vLLM whose classes are not where this
+        looks gets the reload."""
+        try:
+            from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+            from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+            from vllm.platforms import current_platform
+        except ImportError as exc:
+            return f"this vLLM's layer classes are not where pulsediff looks ({exc})"
         if getattr(self.model_config, "quantization", None):
             return f"a quantized model ({self.model_config.quantization})"
         if getattr(self.model_config, "use_mla", False):
@@ -338,6 +344,9 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             if isinstance(method, FusedMoEMethodBase) and not _experts_as_loaded(method):
                 backend = getattr(getattr(method, "unquantized_backend", None), "value", type(method).__name__)
                 return f"MoE layer {name} computes from its experts in the layout of {backend}"
+            if isinstance(method, LinearMethodBase) and (not isinstance(method, UnquantizedLinearMethod)
+                                                         or getattr(module, "_bf16x3_weight", None) is not None):
+                return f"{name} computes from a transformed copy of its weight ({type(method).__name__})"
             if current_platform.is_cpu() and getattr(module, "cpu_linear", plain) is not plain:
                 return f"{name} computes from a oneDNN handle (vLLM's CPU backend; {UNPACKED_ENV}=1 keeps it plain)"
         return ""
@@ -394,16 +403,20 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
 
 
 def _experts_as_loaded(method) -> bool:
-    """Whether a MoE layer's method computes from the expert weights as its loader wrote them."""
-    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
+    """Whether a MoE layer's method computes from the expert weights as its loader wrote them. The CPU
+    experts say so per layer (vllm_plugin.keep_weights_unpacked marks the ones it keeps plain)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return False
     if type(method) is not UnquantizedFusedMoEMethod or getattr(method.moe.moe_parallel_config, "enable_eplb", True):
         return False
     backend = method.unquantized_backend
     if backend in (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.BATCHED_TRITON):
         return True
-    return backend == UnquantizedMoeBackend.CPU and getattr(method.experts_cls, "pulsediff_weights_as_loaded", False)
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    return backend == UnquantizedMoeBackend.CPU and getattr(experts, "pulsediff_weights_as_loaded", False) is True
 
 
 def _warm_up(dtypes: set) -> None:

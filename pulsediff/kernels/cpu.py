@@ -265,7 +265,7 @@ def _local_ranks_range(base, lo, hi, shift, mask, positions, j, ranks, hist):
 
 def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per changed position (ascending, in range): its rank within its class. Also returns class sizes."""
-    n, base = base.size, read_only(base)
+    n, base, positions = base.size, read_only(base), read_only(positions)
     ranges = chunk_ranges(n, chunk_count(n))
     hist = np.zeros((len(ranges), mask + 1), np.int64)
     ranks = np.zeros(positions.size, np.int64)
