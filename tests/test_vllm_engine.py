@@ -84,6 +84,14 @@ def qwen2(tmp_path_factory):
     return train, publish(train, root / "outbox", "--anchor-every", "2")
 
 
+@pytest.fixture(scope="session")
+def qwen3_moe(tmp_path_factory):
+    """A small Qwen3-MoE series of 2 steps, published: (train, outbox)."""
+    root = tmp_path_factory.mktemp("vllm-moe")
+    train = make_series("qwen3-moe", root, 2)
+    return train, publish(train, root / "outbox")
+
+
 @pytest.fixture(scope="session")  # kept by its xdist worker while it runs tests of other files
 def qwen2_reference(qwen2, tmp_path_factory):
     """vLLM's own loads: a fresh engine at the last step, then reload_weights from steps 1 and 2."""
@@ -225,38 +233,34 @@ def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_pat
     same_engine(observed(live, "newest"), observed(fresh, "fresh"))
 
 
-def test_moe_updates_equal_vllms_own_reload(tmp_path_factory):
+def test_moe_updates_equal_vllms_own_reload(qwen3_moe, tmp_path):
     """A small Qwen3-MoE (routed experts, which vLLM fuses into w13/w2 per layer) takes the reload path on the
     CPU backend (its experts prepacked for the grouped gemm, its Linear layers into oneDNN handles), and
     ends bit for bit where vLLM's own reload_weights from the step's folder ends. (On vLLM 0.32's CPU backend
     that reload itself leaves the fused expert weights different from a fresh engine's: seen here, a vLLM
     limitation that no backend fed through its reload can get around; README says so.)"""
-    root = tmp_path_factory.mktemp("vllm-moe")
-    train = make_series("qwen3-moe", root, 2)
-    outbox = publish(train, root / "outbox")
+    train, outbox = qwen3_moe
     reference = run_engine({"model": step_dir(train, 2), "backend": None,
                             "actions": [{"reload": step_dir(train, 0)}, {"reload": step_dir(train, 2)},
-                                        {"observe": "reloaded"}]}, root)
+                                        {"observe": "reloaded"}]}, tmp_path)
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff",
-                       "actions": [{"update": {"source": str(outbox)}}, {"observe": "newest"}]}, root)
+                       "actions": [{"update": {"source": str(outbox)}}, {"observe": "newest"}]}, tmp_path)
     assert "error" not in live[0]
     assert last_load(observed(live, "newest")) == "reload"  # prepacked weights: never the sparse path
     assert any("experts" in name for name in observed(live, "newest")["weights"][0])
     same_engine(observed(live, "newest"), observed(reference, "reloaded"))
 
 
-def test_moe_experts_unpacked_take_sparse_updates_equal_to_a_fresh_engine(tmp_path_factory):
+def test_moe_experts_unpacked_take_sparse_updates_equal_to_a_fresh_engine(qwen3_moe, tmp_path):
     """PULSEDIFF_VLLM_UNPACKED=1 keeps the CPU's MoE experts as loaded (plain torch, as the Triton kernels
     of a GPU engine compute from them): the same Qwen3-MoE then takes only the changed elements, experts
     included, and ends bit for bit where a fresh engine of the newest step starts."""
-    root = tmp_path_factory.mktemp("vllm-moe-sparse")
-    train = make_series("qwen3-moe", root, 2)
-    outbox = publish(train, root / "outbox")
+    train, outbox = qwen3_moe
     env = {"PULSEDIFF_VLLM_UNPACKED": "1"}
-    fresh = run_engine({"model": step_dir(train, 2), "backend": None, "actions": [{"observe": "fresh"}]}, root, env)
+    fresh = run_engine({"model": step_dir(train, 2), "backend": None, "actions": [{"observe": "fresh"}]}, tmp_path, env)
     live = run_engine({"model": step_dir(train, 0), "backend": "pulsediff",
                        "actions": [{"observe": "start"}, {"update": {"source": str(outbox)}}, {"observe": "newest"}]},
-                      root, env)
+                      tmp_path, env)
     assert "error" not in live[1], live[1]
     assert last_load(observed(live, "newest")) == "sparse"
     experts = [name for name in observed(live, "newest")["weights"][0] if name.endswith("experts.w13_weight")]

@@ -338,7 +338,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             return f"a quantized model ({self.model_config.quantization})"
         if getattr(self.model_config, "use_mla", False):
             return "MLA attention"
-        plain = torch.nn.functional.linear
+        plain, cpu = torch.nn.functional.linear, current_platform.is_cpu()
         for name, module in self.model.named_modules():
             method = getattr(module, "quant_method", None)
             if isinstance(method, FusedMoEMethodBase) and not _experts_as_loaded(method):
@@ -347,7 +347,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             if isinstance(method, LinearMethodBase) and (not isinstance(method, UnquantizedLinearMethod)
                                                          or getattr(module, "_bf16x3_weight", None) is not None):
                 return f"{name} computes from a transformed copy of its weight ({type(method).__name__})"
-            if current_platform.is_cpu() and getattr(module, "cpu_linear", plain) is not plain:
+            if cpu and getattr(module, "cpu_linear", plain) is not plain:
                 return f"{name} computes from a oneDNN handle (vLLM's CPU backend; {UNPACKED_ENV}=1 keeps it plain)"
         return ""
 
