@@ -67,7 +67,8 @@ class Batch:
     def __init__(self, dtype: np.dtype):
         self.dtype = np.dtype(dtype)
         self.names: list[str] = []
-        self.views: list[np.ndarray] = []
+        self.views: list = []
+        self._addresses: list[int] = []
         self._payloads: list[bytes] = []
         self._rows: list[tuple] = []
         self._offset = 0
@@ -77,29 +78,33 @@ class Batch:
     def __len__(self) -> int:
         return len(self.names)
 
-    def add(self, name: str, view: np.ndarray, payload: bytes, params: dict, ctx, base_sum: int | None = None,
-            target_sum: int | None = None) -> None:
+    def add(self, name: str, view, payload: bytes, params: dict, ctx, base_sum: int | None = None,
+            target_sum: int | None = None, span: tuple[int, int] | None = None) -> None:
         """One more section, for the tensor at `view`; its word sum after is checked against
-        `target_sum` when the sum before, `base_sum`, is given."""
+        `target_sum` when the sum before, `base_sum`, is given. `span` (address, elements) says
+        where the tensor is when `view` is not a NumPy array over it (a handle the caller gets
+        back from `BatchResult.applied`: a live apply makes no view of a tensor it need not)."""
         from pulsediff.codecs.ctx_rans import section_layout
 
         count, shift, mask, escapes, lengths = section_layout(params, ctx, len(payload))
         check = base_sum is not None and target_sum is not None
-        self._rows.append((self._offset, view.size, count, shift, mask, escapes, *lengths, self._undo,
+        address, size = span if span is not None else (view.__array_interface__["data"][0], view.size)
+        self._rows.append((self._offset, size, count, shift, mask, escapes, *lengths, self._undo,
                            _as_int64(base_sum or 0), _as_int64(target_sum or 0), int(check)))
         self.names.append(name)
         self.views.append(view)
+        self._addresses.append(address)
         self._payloads.append(payload)
         self.source = ctx.source
         self._offset += len(payload)
         self._undo += count
-        self.elements += view.size
+        self.elements += size
 
     def run(self, kernels) -> "BatchResult":
         """Apply every section with `kernels` (kernels/cpu_batch.py, which the caller chose)."""
         meta = np.array(self._rows, np.int64).reshape(-1, META_COLUMNS)
         data = np.frombuffer(b"".join(self._payloads), np.uint8)
-        addresses = np.array([v.__array_interface__["data"][0] for v in self.views], np.int64)
+        addresses = np.array(self._addresses, np.int64)
         positions = np.empty(self._undo, np.int64)
         old = np.empty(self._undo, self.dtype)
         sums_after = np.zeros(len(self.names), np.int64)
@@ -139,8 +144,13 @@ def _as_int64(value: int) -> int:
 
 def word_sums_of(views: list[np.ndarray], kernels) -> list[int]:
     """The word sum (FORMAT.md 3.1) of each host array, in one call of `kernels` (kernels/cpu_batch.py)."""
-    addresses = np.array([v.__array_interface__["data"][0] for v in views], np.int64)
-    nbytes = np.array([v.nbytes for v in views], np.int64)
-    out = np.zeros(len(views), np.int64)
+    return word_sums_at([v.__array_interface__["data"][0] for v in views], [v.nbytes for v in views], kernels)
+
+
+def word_sums_at(addresses: list[int], nbytes: list[int], kernels) -> list[int]:
+    """The word sum of each host buffer of `nbytes[i]` bytes at `addresses[i]`, in one call."""
+    addresses = np.array(addresses, np.int64)
+    nbytes = np.array(nbytes, np.int64)
+    out = np.zeros(len(addresses), np.int64)
     kernels.word_sums(addresses, nbytes, out)
     return [int(s) & 0xFFFFFFFFFFFFFFFF for s in out]

@@ -365,8 +365,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
                 use_sums = False
         if use_sums:
             aliases = _aliases(tensors)
-            views = {name: device_bits(t) for name, t in tensors.items() if name not in aliases}
-            return apply_by_sums(views, reader, header, undo, known, aliases)
+            return apply_by_sums(LiveViews(tensors, aliases), reader, header, undo, known, aliases)
         known.clear()
         scheme = header.scheme
         ids = tensor_ids(TensorView(live, header.precision), scheme=scheme, device=device)
@@ -537,12 +536,64 @@ def _host_copy(view) -> np.ndarray:
 @dataclass
 class _Undo:
     """Written elements of one tensor: `positions` None for the whole tensor. `old` is filled
-    once the write returns; an entry without it cannot be put back (and is named)."""
+    once the write returns; an entry without it cannot be put back (and is named). `where` is
+    the tensor's view, or the LiveViews that makes it when a roll-back needs it."""
 
     name: str
-    view: object
+    where: object
     positions: object
     old: object = None
+
+    @property
+    def view(self):
+        return self.where[self.name] if isinstance(self.where, LiveViews) else self.where
+
+
+class LiveViews(dict):
+    """name -> the live tensor's bits (device_bits), each view made when first asked for.
+
+    A NumPy view of a tensor costs ~8 us, a tenth of what a small expert tensor's whole apply
+    may cost; batches and word sums of host tensors need only where each one lies (`span`), and
+    the undo log asks for a view only to put a tensor back. `aliases` maps a name to the name
+    whose memory it shares."""
+
+    def __init__(self, tensors: Mapping, aliases: Mapping):
+        super().__init__()
+        self.tensors, self.aliases = tensors, aliases
+        self.names = [name for name in tensors if name not in aliases]  # one entry per memory
+        self.all_on_host = all(tensors[name].device.type == "cpu" for name in self.names)
+
+    @classmethod
+    def made(cls, views: Mapping, aliases: Mapping = {}) -> "LiveViews":
+        """Views made already (host or Numba device arrays), with no tensors behind them."""
+        out = cls({}, aliases)
+        out.update(views)
+        out.update({alias: views[name] for alias, name in aliases.items()})
+        out.names = list(views)
+        out.all_on_host = all(isinstance(v, np.ndarray) for v in views.values())
+        return out
+
+    def __missing__(self, name: str):
+        view = self[name] = device_bits(self.tensors[self.aliases.get(name, name)])
+        return view
+
+    def on_host(self, name: str) -> bool:
+        if self.all_on_host:
+            return True
+        t = self.tensors.get(name)
+        return isinstance(self[name], np.ndarray) if t is None else t.device.type == "cpu"
+
+    def span(self, name: str) -> tuple[int, int]:
+        """(address, elements) of a host tensor (contiguous: apply_to_state_dict checked)."""
+        t = self.tensors.get(self.aliases.get(name, name))
+        if t is None:
+            view = self[name]
+            return view.__array_interface__["data"][0], view.size
+        return t.data_ptr(), t.numel()
+
+    def bits_dtype(self, name: str) -> np.dtype:
+        t = self.tensors.get(name)
+        return self[name].dtype if t is None else dtype_of(t).bits_dtype
 
 
 def _aliases(tensors: Mapping) -> dict[str, str]:
@@ -561,12 +612,12 @@ def _aliases(tensors: Mapping) -> dict[str, str]:
     return aliases
 
 
-def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, aliases: Mapping = {}) -> "_Step":
+def apply_by_sums(views: LiveViews, reader, header, undo: list, known: dict, aliases: Mapping = {}) -> "_Step":
     """One patch into `views` (name -> flat bit patterns, host or device arrays), checked by
     word sums (FORMAT.md §7.1). `known` holds sums verified by the previous patch of a chain
     and is updated; every write is logged in `undo` before it happens. `aliases` maps a name
-    to the name whose memory it shares (it has no view of its own): it is written through
-    that one, and must end with the same target."""
+    to the name whose memory it shares: it is written through that one, and must end with the
+    same target. Plain views (a mapping of arrays) are taken as LiveViews.made."""
     from pulsediff.format.patch_file import read_layout
     from pulsediff.ops.rebuild import rebuild_tensor
     from pulsediff.codecs import get_codec
@@ -574,8 +625,8 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     from pulsediff.codecs.ctx_rans_batch import BATCH_ELEMENTS, Batch
     from pulsediff.codecs.ctx_rans_batch import batchable as small_ctx_rans
 
-    views = dict(views)
-    views.update({alias: views[name] for alias, name in aliases.items()})
+    if not isinstance(views, LiveViews):
+        views = LiveViews.made(views, aliases)
     records = header.tensors
     by_name = {r.name: r for r in records}
     for alias, name in aliases.items():
@@ -662,16 +713,16 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
         return count
 
     def batchable(rec) -> bool:  # small ctx-rans sections into host tensors: batched (ctx_rans_batch)
-        return small_ctx_rans(rec) and isinstance(views[rec.name], np.ndarray)
+        return small_ctx_rans(rec) and views.on_host(rec.name)
 
     def batch_of(rec, payload, batch):
         """`batch` with this section added, or a new batch where it cannot take it."""
-        view = views[rec.name]
-        if batch is None or batch.dtype != view.dtype or batch.elements >= BATCH_ELEMENTS:
-            batch = Batch(view.dtype)
-        batch.add(rec.name, view, payload, rec.section.params,
+        dtype = rec.dtype.bits_dtype  # the live tensor's (apply_to_state_dict checked)
+        if batch is None or batch.dtype != dtype or batch.elements >= BATCH_ELEMENTS:
+            batch = Batch(dtype)
+        batch.add(rec.name, views, payload, rec.section.params,
                   SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source), sums[rec.name],
-                  int(rec.target_sum, 16))
+                  int(rec.target_sum, 16), views.span(rec.name))
         return batch
 
     # sections in order (works on streams); the generator is closed, its pool joined, on any exit
@@ -703,17 +754,19 @@ def apply_by_sums(views: Mapping, reader, header, undo: list, known: dict, alias
     return _Step("applied", header.target_digest, names, elements)
 
 
-def _word_sums(views: Mapping, names: list, known: Mapping) -> dict:
-    """name -> word sum of each view: from `known` where it has one, small host arrays in one
-    kernel call (ctx_rans_batch.word_sums_of), the rest where they live."""
-    from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL, word_sums_of
+def _word_sums(views: LiveViews, names: list, known: Mapping) -> dict:
+    """name -> word sum of each view: from `known` where it has one, small host tensors in one
+    kernel call (ctx_rans_batch.word_sums_at), the rest where they live."""
+    from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL, word_sums_at
     from pulsediff.kernels import cpu_batch
 
     sums = {name: known[name] for name in names if name in known}
-    small = [name for name in names if name not in sums and isinstance(views[name], np.ndarray)
-             and views[name].size <= BATCH_MAX_NUMEL]
-    sums.update(zip(small, word_sums_of([views[name] for name in small], cpu_batch)))
-    on_device = [name for name in names if name not in sums and not isinstance(views[name], np.ndarray)]
+    spans = {name: views.span(name) for name in names if name not in sums and views.on_host(name)}
+    small = [name for name, (_, size) in spans.items() if size <= BATCH_MAX_NUMEL]
+    sums.update(zip(small, word_sums_at([spans[name][0] for name in small],
+                                        [spans[name][1] * views.bits_dtype(name).itemsize for name in small],
+                                        cpu_batch)))
+    on_device = [name for name in names if name not in sums and not views.on_host(name)]
     if on_device:  # launched together, read back once
         sums.update(zip(on_device, _kernels_for(views[on_device[0]]).word_sums([views[n] for n in on_device])))
     for name in names:
@@ -776,14 +829,14 @@ def _settled(outcome, undo: list) -> list:
     return placed
 
 
-def _side_by_side(views: Mapping) -> bool:
+def _side_by_side(views: LiveViews) -> bool:
     """Whether tensors are placed side by side, one per worker thread, each walked on its thread
     alone (the CPU's one-pass walk, without the class counts a range-parallel walk needs)."""
     from pulsediff.kernels import cpu_backend
     from pulsediff.kernels.threads import serial
 
     # Not from a worker thread itself: its placements would wait on the pool it occupies.
-    return len(views) > 1 and all(isinstance(v, np.ndarray) for v in views.values()) \
+    return len(views.names) > 1 and views.all_on_host \
         and cpu_backend().side_by_side() > 0 and not serial()
 
 
