@@ -34,6 +34,18 @@ def test_scan_depth_is_the_parsed_depth(value, ascii_only):
     assert loads(data, max_depth=64) == value
 
 
+@given(st.text(alphabet="[]{}", max_size=80))
+def test_depth_by_innermost_pairs_is_the_depth_counted_bracket_by_bracket(brackets):
+    """strict_json._depth drops innermost pairs pass by pass; on any bracket text, balanced or not,
+    it must say what the plain count says (one level deeper than allowed is what it refuses)."""
+    from pulsediff.io import strict_json
+
+    data = brackets.encode()
+    assert strict_json._depth(data) == strict_json._depth_counted(data)
+    nested = b"[{" * 20 + b"}]" * 20  # 40 levels: past MAX_DEPTH passes, counted
+    assert strict_json._depth(nested) == strict_json._depth_counted(nested) == 40
+
+
 @pytest.mark.parametrize("data, reason", [
     (b"[" * 100_000 + b"]" * 100_000, "nested deeper"),
     (b'{"a": [[[[[1]]]]]}', "nested deeper"),  # 6 levels, 5 allowed below

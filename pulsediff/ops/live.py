@@ -336,17 +336,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
                                                     f"{header.target_digest}, not {expect[0]}, the target its signed "
                                                     f"entry names (a file changed between its check and its use?); "
                                                     f"the tensors are as they were")
-        live = StateDict(tensors)
-        records = {r.name: r for r in header.tensors}
-        _check_structure(live, records)
-        for name, rec in records.items():  # written as stored: a bf16 patch needs BF16 live tensors
-            if live.entry(name).dtype is not rec.dtype:
-                raise TensorMismatchError(f"live tensor {name!r} is {live.entry(name).dtype.name}, "
-                                          f"the patch's target {rec.dtype.name}")
-        for name, t in tensors.items():
-            if not t.is_contiguous():  # a write through a copy would be lost
-                raise UsageError(f"live tensor {name!r} is not contiguous; patch contiguous tensors "
-                                 "(e.g. model.state_dict())")
+        _check_structure(tensors, header.tensors)
         has_sums = all(r.target_sum is not None for r in header.tensors)
         if check == "sums" and not has_sums:
             raise UsageError(f"{reader.source} carries no word sums (format 1.2 added them); "
@@ -367,6 +357,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
             aliases = _aliases(tensors)
             return apply_by_sums(LiveViews(tensors, aliases), reader, header, undo, known, aliases)
         known.clear()
+        live = StateDict(tensors)
         scheme = header.scheme
         ids = tensor_ids(TensorView(live, header.precision), scheme=scheme, device=device)
         digest = scheme.digest(ids.values())
@@ -937,17 +928,33 @@ def _overwrite(view, values: np.ndarray) -> None:
         view.copy_to_device(np.ascontiguousarray(values).view(view.dtype))
 
 
-def _check_structure(live: StateDict, records: dict) -> None:
-    have, want = set(live.names), set(records)
-    if have != want:
+def _check_structure(tensors: Mapping, records: tuple) -> None:
+    """The live tensors are the patch's target's in names, shapes and dtypes (written as stored: a
+    bf16 patch needs BF16 live tensors), each contiguous (a write through a copy would be lost)."""
+    for name in tensors:
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"state dict keys must be non-empty strings, not {name!r}")
+    if len(records) != len(tensors) or any(r.name not in tensors for r in records):
+        have, want = set(tensors), {r.name for r in records}
         extra, missing = sorted(have - want), sorted(want - have)
         what = f"the patch lacks {extra[0]!r}" if extra else f"the live tensors lack {missing[0]!r}"
         raise TensorMismatchError(f"the patch's target has other tensors than the live ones ({what}); "
                                   "live tensors can only be patched, not added or removed")
-    for name, rec in records.items():
-        if live.entry(name).shape != rec.shape:
-            raise TensorMismatchError(f"live tensor {name!r} has shape {list(live.entry(name).shape)}, "
+    import torch
+
+    for rec in records:
+        t = tensors[rec.name]
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"{rec.name!r} is a {type(t).__name__}, not a torch tensor")
+        if t.shape != rec.shape:  # torch.Size is a tuple
+            raise TensorMismatchError(f"live tensor {rec.name!r} has shape {list(t.shape)}, "
                                       f"the patch's target {list(rec.shape)}")
+        if dtype_of(t) is not rec.dtype:
+            raise TensorMismatchError(f"live tensor {rec.name!r} is {dtype_of(t).name}, "
+                                      f"the patch's target {rec.dtype.name}")
+        if not t.is_contiguous():
+            raise UsageError(f"live tensor {rec.name!r} is not contiguous; patch contiguous tensors "
+                             "(e.g. model.state_dict())")
 
 
 def _bits_view(tensor):

@@ -1,0 +1,89 @@
+"""The header's fast reading of a tensor entry (header._tensor_checked) against the field-by-field
+one (_Parser.tensor): on every entry of the golden patches they build the same record, and on
+entries edited field by field the fast one accepts nothing the other refuses (anything out of the
+ordinary it hands back, to be refused in the parser's own words)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from pulsediff.errors import PulsediffError
+from pulsediff.format.container import PREAMBLE
+from pulsediff.format.digest import DEFAULT_SCHEME
+from pulsediff.format.header import _Parser, _tensor_checked
+
+GOLDEN = sorted(Path("tests/golden").glob("*/*.pulsediff"))
+
+# Values an edit puts in a field: wrong types, edges of each range, other ops and codecs.
+HOSTILE = [None, True, False, 0, 1, -1, 2**63, 2**64, 1.0, "", "x", "patch", "same", "full", "BF16", "F32",
+           "ctx-rans", "gap-zstd", "full-zstd", "ctx-ac", "ab" * 8, "AB" * 8, "0" * 32, "g" * 32, "0" * 16,
+           [], [0], [2, 3], [-1], [True], [2**40, 2**40], {}, {"count": 1}, "é" * 2000]
+
+
+def _entries(path: Path) -> list[dict]:
+    data = path.read_bytes()
+    header_len = PREAMBLE.unpack(data[:32])[4]
+    return json.loads(zstandard.ZstdDecompressor().decompress(data[32:32 + header_len]))["tensors"]
+
+
+def _slow(entry):
+    """What the field-by-field reading makes of an entry: its record, or the error it raises."""
+    try:
+        return _Parser("<test>").tensor(entry, 0, DEFAULT_SCHEME)
+    except PulsediffError as exc:
+        return exc
+
+
+def test_the_golden_patches_have_entries_of_every_op_and_codec():
+    entries = [e for path in GOLDEN for e in _entries(path)]
+    assert {e["op"] for e in entries} == {"same", "patch", "full"}
+    assert {e["section"]["codec"] for e in entries if "section" in e} >= {"ctx-rans", "ctx-ac", "gap-zstd",
+                                                                         "full-zstd"}
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_fast_reading_builds_the_parsers_record(path):
+    for entry in _entries(path):
+        fast = _tensor_checked(entry, DEFAULT_SCHEME)
+        assert fast is not None, entry["name"]
+        assert fast == _slow(entry)
+
+
+def _edits(entry: dict, rng: random.Random):
+    """The entry with one field (of the entry, its section or its params) set to a hostile value,
+    or removed."""
+    places = [(None, key) for key in list(entry) + ["base_hash", "target_sum", "base_sum", "section"]]
+    if isinstance(entry.get("section"), dict):
+        places += [("section", key) for key in entry["section"]]
+        places += [("params", key) for key in entry["section"]["params"]]
+    for where, key in places:
+        for value in rng.sample(HOSTILE, 8) + ["<remove>"]:
+            edited = copy.deepcopy(entry)
+            target = {None: edited, "section": edited.get("section"),
+                      "params": (edited.get("section") or {}).get("params")}[where]
+            if value == "<remove>":
+                target.pop(key, None)
+            else:
+                target[key] = value
+            yield edited
+
+
+@pytest.mark.parametrize("path", GOLDEN[::3], ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_fast_reading_accepts_no_edit_the_parser_refuses(path):
+    rng = random.Random(path.name)
+    accepted = refused = 0
+    for entry in _entries(path):
+        for edited in _edits(entry, rng):
+            fast = _tensor_checked(edited, DEFAULT_SCHEME)
+            if fast is None:
+                refused += 1
+                continue
+            accepted += 1
+            assert fast == _slow(edited), edited
+    assert accepted and refused  # both kinds of edit were met
