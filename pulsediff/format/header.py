@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pulsediff.io.names import PRECISIONS, is_plain_filename
 from pulsediff.codecs.facts import FACTS, facts_of
-from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, is_digest, is_tensor_hash, is_word_sum, scheme_of, unknown_scheme
+from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, is_digest, is_tensor_hash, is_word_sum, scheme_of, unknown_scheme
 from pulsediff.io.dtypes import DTYPES, DType, lookup
 from pulsediff.errors import CorruptPatchError, UnknownSchemeError
 from pulsediff.io.folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name

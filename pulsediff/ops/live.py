@@ -750,13 +750,20 @@ def _word_sums(views: LiveViews, names: list, known: Mapping) -> dict:
     kernel call (ctx_rans_batch.word_sums_at), the rest where they live."""
     from pulsediff.codecs.ctx_rans_batch import BATCH_MAX_NUMEL, word_sums_at
     from pulsediff.kernels import cpu_batch
+    from pulsediff.kernels.threads import num_threads, parallel_map
 
     sums = {name: known[name] for name in names if name in known}
     spans = {name: views.span(name) for name in names if name not in sums and views.on_host(name)}
     small = [name for name, (_, size) in spans.items() if size <= BATCH_MAX_NUMEL]
-    sums.update(zip(small, word_sums_at([spans[name][0] for name in small],
-                                        [spans[name][1] * views.bits_dtype(name).itemsize for name in small],
-                                        cpu_batch)))
+    addresses = [spans[name][0] for name in small]
+    nbytes = [spans[name][1] * views.bits_dtype(name).itemsize for name in small]
+    # One call per thread, each over a run of tensors of about equal bytes (the read of every
+    # base is most of this; one thread reads about 5 GB/s).
+    cuts = [0] + [int(k) for k in np.searchsorted(np.cumsum(nbytes), [sum(nbytes) * (j + 1) / num_threads()
+                                                                    for j in range(num_threads() - 1)])] \
+        + [len(small)]
+    runs = [(addresses[lo:hi], nbytes[lo:hi], cpu_batch) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    sums.update(zip(small, (s for run in parallel_map(word_sums_at, runs) for s in run)))
     on_device = [name for name in names if name not in sums and not views.on_host(name)]
     if on_device:  # launched together, read back once
         sums.update(zip(on_device, _kernels_for(views[on_device[0]]).word_sums([views[n] for n in on_device])))
