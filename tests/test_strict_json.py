@@ -46,6 +46,27 @@ def test_depth_by_innermost_pairs_is_the_depth_counted_bracket_by_bracket(bracke
     assert strict_json._depth(nested) == strict_json._depth_counted(nested) == 40
 
 
+def _containers_by_parity(data: bytes) -> bytes:
+    """The brackets outside strings, by the plain rule: escapes dropped, then each bracket kept
+    when an even number of quotes comes before it."""
+    data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    out, quotes = [], 0
+    for c in data:
+        if c == ord('"'):
+            quotes += 1
+        elif c in b"[]{}" and quotes % 2 == 0:
+            out.append(c)
+    return bytes(out)
+
+
+@given(st.text(alphabet='[]{}"\\a:', max_size=60))
+def test_containers_are_the_brackets_outside_strings(text):
+    from pulsediff.io import strict_json
+
+    data = text.encode()
+    assert strict_json._containers(data) == _containers_by_parity(data)
+
+
 @pytest.mark.parametrize("data, reason", [
     (b"[" * 100_000 + b"]" * 100_000, "nested deeper"),
     (b'{"a": [[[[[1]]]]]}', "nested deeper"),  # 6 levels, 5 allowed below

@@ -19,6 +19,7 @@ MAX_DEPTH = 32  # our formats nest 5 levels at most; safetensors headers 3
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _CHUNK = 1 << 18  # a chunk of quotes splits into ~50 bytes per byte: 13 MB at most
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_NOT_QUOTES_OR_BRACKETS = bytes(c for c in range(256) if c not in b'[]{}"')
 
 
 class JsonError(ValueError):
@@ -39,6 +40,10 @@ def _containers(data: bytes) -> bytes:
     """
     if b"\\" in data:
         data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Only quotes and brackets matter. Two quotes side by side then are a string with no bracket
+    # in it, or one string's end and the next one's start: dropping them leaves every bracket
+    # with the same parity of quotes before it. Most strings go this way, at C speed.
+    data = data.translate(None, _NOT_QUOTES_OR_BRACKETS).replace(b'""', b"")
     out = []
     in_string = False
     for start in range(0, len(data), _CHUNK):
