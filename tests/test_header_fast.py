@@ -87,3 +87,56 @@ def test_fast_reading_accepts_no_edit_the_parser_refuses(path):
             accepted += 1
             assert fast == _slow(edited), edited
     assert accepted and refused  # both kinds of edit were met
+
+
+def _layout_headers(path: Path):
+    """(raw safetensors header, its tensor records) for each file of a golden patch's layout."""
+    from pulsediff.format.patch_file import open_patch, read_layout
+
+    with open(path, "rb") as f:
+        reader, header, owned = open_patch(f)
+        blob = read_layout(reader, header, sequential=False)
+    pos = first = 0
+    for lf in header.layout.files:
+        yield blob[pos:pos + lf.header_len], header.tensors[first:first + lf.tensors]
+        pos, first = pos + lf.header_len, first + lf.tensors
+
+
+def _parsed_agrees(raw: bytes, records) -> bool:
+    from pulsediff.io.safetensors_header import HeaderError, parse_header
+
+    try:
+        parsed = parse_header(raw, sum(r.nbytes for r in records))
+    except HeaderError:
+        return False
+    return [(e.name, e.dtype.name, e.shape) for e in parsed.tensors] == [(r.name, r.dtype.name, r.shape)
+                                                                          for r in records]
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_layout_headers_are_read_in_one_pass_and_edits_go_to_the_parser(path):
+    from pulsediff.format.patch_file import _describes_in_order
+
+    rng = random.Random(path.name)
+    accepted = 0
+    for raw, records in _layout_headers(path):
+        assert _describes_in_order(raw, records) and _parsed_agrees(raw, records)
+        obj = json.loads(raw)
+        names = [k for k in obj if k != "__metadata__"]
+        for _ in range(60):
+            edited = copy.deepcopy(obj)
+            name = rng.choice(names)
+            field = rng.choice(["dtype", "shape", "data_offsets", "<swap>", "<metadata>", "<extra>"])
+            if field == "<swap>" and len(names) > 1:  # two entries' order in the JSON object
+                edited = {k: edited[k] for k in sorted(edited, key=lambda k: rng.random())}
+            elif field == "<metadata>":
+                edited["__metadata__"] = rng.choice([{"a": 1}, [], "x", {"a": "b"}])
+            elif field == "<extra>":
+                edited[name]["extra"] = rng.choice(HOSTILE)
+            elif field in ("dtype", "shape", "data_offsets"):
+                edited[name][field] = rng.choice(HOSTILE + [[0, 0], [0, 2**40]])
+            data = json.dumps(edited).encode()
+            if _describes_in_order(data, records):
+                accepted += 1
+                assert _parsed_agrees(data, records), edited
+    assert accepted  # edits that keep the header right (metadata of strings, extra keys) were met

@@ -146,6 +146,8 @@ def _check_index(index: bytes, holder: dict[str, str], source: str) -> None:
 
 def check_file_header(raw: bytes, records, file_name: str, source: str) -> None:
     """The stored safetensors header must describe exactly these tensors, in this order."""
+    if _describes_in_order(raw, records):
+        return
     try:
         parsed = parse_header(raw, sum(r.nbytes for r in records))
     except HeaderError as exc:
@@ -153,3 +155,35 @@ def check_file_header(raw: bytes, records, file_name: str, source: str) -> None:
     described = [(e.name, e.dtype.name, e.shape) for e in parsed.tensors]
     if described != [(r.name, r.dtype.name, r.shape) for r in records]:
         raise CorruptPatchError(source, f"layout header of {file_name or 'the file'} does not match the tensor list")
+
+
+def _describes_in_order(raw: bytes, records) -> bool:
+    """Whether a safetensors header lists exactly these tensors, each with its dtype and shape, in
+    this order and at the offsets that lay them back to back from 0 (what every writer writes), with
+    metadata of strings only: then parse_header would accept it and describe the same tensors. Read
+    in one pass with no objects per tensor; False sends the header to parse_header, for its words."""
+    from pulsediff.io import strict_json
+
+    try:
+        obj = strict_json.loads(raw)
+    except strict_json.JsonError:
+        return False
+    if type(obj) is not dict:
+        return False
+    metadata = obj.pop("__metadata__", None)
+    if metadata is not None and (type(metadata) is not dict or not all(
+            type(k) is str and type(v) is str for k, v in metadata.items())):
+        return False
+    if len(obj) != len(records):
+        return False
+    offset = 0
+    for (name, info), rec in zip(obj.items(), records):
+        if name != rec.name or type(info) is not dict or info.get("dtype") != rec.dtype.name:
+            return False
+        shape, offsets, end = info.get("shape"), info.get("data_offsets"), offset + rec.nbytes
+        if type(shape) is not list or tuple(shape) != rec.shape or any(type(d) is not int for d in shape) \
+                or type(offsets) is not list or len(offsets) != 2 or offsets[0] != offset or offsets[1] != end \
+                or type(offsets[0]) is not int or type(offsets[1]) is not int:
+            return False
+        offset = end
+    return True

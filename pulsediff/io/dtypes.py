@@ -26,9 +26,15 @@ class DType:
     @property
     def bits_dtype(self) -> np.dtype:
         """The unsigned integer type whose values are this type's bit patterns."""
-        import numpy as np  # not at import: reading a header needs no numpy
+        found = _BITS_DTYPES.get(self.itemsize)
+        if found is None:
+            import numpy as np  # not at import: reading a header needs no numpy
 
-        return np.dtype(f"<u{self.itemsize}")
+            found = _BITS_DTYPES[self.itemsize] = np.dtype(f"<u{self.itemsize}")
+        return found
+
+
+_BITS_DTYPES: dict = {}  # itemsize -> its unsigned NumPy dtype (asked for per tensor: a microsecond each)
 
 
 _ALL = [

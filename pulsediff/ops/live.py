@@ -551,6 +551,7 @@ class LiveViews(dict):
     def __init__(self, tensors: Mapping, aliases: Mapping):
         super().__init__()
         self.tensors, self.aliases = tensors, aliases
+        self._spans: dict = {}  # asked for by the word sums, then by the batches
         self.names = [name for name in tensors if name not in aliases]  # one entry per memory
         self.all_on_host = all(tensors[name].device.type == "cpu" for name in self.names)
 
@@ -576,11 +577,16 @@ class LiveViews(dict):
 
     def span(self, name: str) -> tuple[int, int]:
         """(address, elements) of a host tensor (contiguous: apply_to_state_dict checked)."""
-        t = self.tensors.get(self.aliases.get(name, name))
-        if t is None:
-            view = self[name]
-            return view.__array_interface__["data"][0], view.size
-        return t.data_ptr(), t.numel()
+        found = self._spans.get(name)
+        if found is None:
+            t = self.tensors.get(self.aliases.get(name, name))
+            if t is None:
+                view = self[name]
+                found = view.__array_interface__["data"][0], view.size
+            else:
+                found = t.data_ptr(), t.numel()
+            self._spans[name] = found
+        return found
 
     def bits_dtype(self, name: str) -> np.dtype:
         t = self.tensors.get(name)
@@ -590,7 +596,7 @@ class LiveViews(dict):
 def _aliases(tensors: Mapping) -> dict[str, str]:
     """Names whose tensor is another name's very memory (tied weights: the same tensor under two
     names), mapped to that name; tensors that overlap otherwise are refused."""
-    spans = sorted(((str(t.device), t.data_ptr(), t.numel() * t.element_size(), name)
+    spans = sorted((((t.device.type, t.device.index or 0), t.data_ptr(), t.nbytes, name)
                     for name, t in tensors.items() if t.numel()), key=lambda x: x[:2])
     aliases, previous = {}, None
     for span in spans:
