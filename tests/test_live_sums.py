@@ -428,7 +428,7 @@ def test_an_interrupt_while_tensors_are_placed_side_by_side_undoes_every_write(m
     def trace(frame, event, arg):
         if frame.f_code is body:
             def local(frame, event, arg):
-                if event == "line" and not fired and "known[name]" in _source_line(frame):
+                if event == "line" and not fired and "known.update(zip(unit_names" in _source_line(frame):
                     fired.append(frame.f_lineno)
                     raise KeyboardInterrupt
                 return local

@@ -130,6 +130,12 @@ class BatchResult:
             yield (self.batch.names[t], self.batch.views[t], self._positions[lo:lo + n], self._old[lo:lo + n],
                    int(self._sums[t]) & 0xFFFFFFFFFFFFFFFF, n)
 
+    def columns(self) -> tuple[list[str], list[int], list[int]]:
+        """The tensors applied: their names, changed elements and word sums after, as lists."""
+        done = self.done
+        return (self.batch.names[:done], self._counts[:done].tolist(),
+                self._sums[:done].view(np.uint64).tolist())
+
     def error(self) -> CorruptPatchError | None:
         """The failed tensor's error, None when every tensor was applied."""
         if self.status == OK:

@@ -290,7 +290,7 @@ def _written_positions(undo: list) -> dict:
     """name -> the positions written (host int64, each once, in no particular order), or None for a
     tensor written whole, from the undo log of a successful apply."""
     parts: dict[str, list | None] = {}
-    for entry in undo:
+    for entry in _entries(undo):
         if entry.positions is None or parts.get(entry.name, []) is None:
             parts[entry.name] = None
             continue
@@ -540,6 +540,28 @@ class _Undo:
         return self.where[self.name] if isinstance(self.where, LiveViews) else self.where
 
 
+class _BatchUndo:
+    """The writes of a batch's tensors (ctx_rans_batch.BatchResult), logged as one entry; taken
+    apart into each tensor's _Undo only when a roll-back or a caller's `changes` needs them."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def entries(self) -> list[_Undo]:
+        return [_Undo(name, view, positions, old) for name, view, positions, old, _, _ in self.result.applied()]
+
+
+def _entries(undo: list) -> list[_Undo]:
+    """The undo log with batch entries taken apart, in write order."""
+    out = []
+    for entry in undo:
+        if isinstance(entry, _BatchUndo):
+            out.extend(entry.entries())
+        else:
+            out.append(entry)
+    return out
+
+
 class LiveViews(dict):
     """name -> the live tensor's bits (device_bits), each view made when first asked for.
 
@@ -733,12 +755,11 @@ def apply_by_sums(views: LiveViews, reader, header, undo: list, known: dict, ali
         # Closed on any exit, an interrupt in this loop's body included: the side-by-side
         # generator then waits for every placement still writing before the caller rolls back.
         with contextlib.closing(placed):
-            for name, count, after in placed:
-                known[name] = after
-                counts[name] = count
-                if count:
-                    names.add(name)
-                    elements += count
+            for unit_names, unit_counts, afters in placed:
+                known.update(zip(unit_names, afters))
+                counts.update(zip(unit_names, unit_counts))
+                names.update(name for name, count in zip(unit_names, unit_counts) if count)
+                elements += sum(unit_counts)
     for f in header.files:  # a model folder's config and tokenizer: checked, not used here
         if f.section is not None:
             reader.read_next(f.section, f"file {f.name!r}")
@@ -800,31 +821,28 @@ def _work_units(sections, batchable, batch_of):
 
 
 def _run_unit(unit, place, scratch, alone: bool = False):
-    """Place one unit; returns [(name, changed, sum after)] and the undo entries it logged (a
-    batch's all at once: its kernel puts back the tensor it fails on, and raises nothing else)."""
+    """Place one unit; returns its placements ((names), (elements changed), (word sums after)),
+    the undo entries it logged (a batch's all at once, as one entry: its kernel puts back the
+    tensor it fails on, and raises nothing else), and its error or None."""
     from pulsediff.codecs.ctx_rans_batch import Batch
 
     if isinstance(unit, Batch):
         from pulsediff.kernels import cpu_batch
 
         result = unit.run(cpu_batch)
-        logged, placed = [], []
-        for name, view, positions, old, after, count in result.applied():
-            logged.append(_Undo(name, view, positions, old))
-            placed.append((name, count, after))
-        return placed, logged, result.error()
+        return result.columns(), [_BatchUndo(result)] if result.done else [], result.error()
     rec, payload, decoded = unit
     count = place(rec, payload, decoded, scratch, alone)
-    return [(rec.name, count, int(rec.target_sum, 16))], [], None
+    return ((rec.name,), (count,), (int(rec.target_sum, 16),)), [], None
 
 
 def _placed_in_turn(units, place, scratch, undo):
-    """(name, elements changed, word sum after) of each section, placed on this thread in order."""
+    """The placements of each unit (_run_unit's), placed on this thread in order."""
     for unit in units:
-        yield from _settled(_run_unit(unit, place, scratch), undo)
+        yield _settled(_run_unit(unit, place, scratch), undo)
 
 
-def _settled(outcome, undo: list) -> list:
+def _settled(outcome, undo: list) -> tuple:
     """A unit's placements, its undo entries logged first; its error raised after that."""
     placed, logged, error = outcome
     undo.extend(logged)
@@ -845,7 +863,7 @@ def _side_by_side(views: LiveViews) -> bool:
 
 
 def _placed_side_by_side(units, place, undo):
-    """(name, elements changed, word sum after) of each section, in order, its unit (a batch, or
+    """The placements of each unit (_run_unit's), in order, the unit (a batch, or
     one section placed alone by `place`) run on the worker threads, as many at once as there are
     threads. A failure is raised once every unit that started has finished, so none still writes
     while the caller rolls back; the undo entries of every batch that ran are in `undo` by then."""
@@ -860,9 +878,9 @@ def _placed_side_by_side(units, place, undo):
         for unit in units:
             running.append(pool().submit(_run_unit, unit, place, Scratch(), True))
             if len(running) >= num_threads():
-                yield from _settled(running.popleft().result(), undo)
+                yield _settled(running.popleft().result(), undo)
         while running:
-            yield from _settled(running.popleft().result(), undo)
+            yield _settled(running.popleft().result(), undo)
     finally:
         wait(running)
         for future in running:  # batches that finished unseen: their writes must be undone too
@@ -907,6 +925,9 @@ def _decoded_ahead(records, reader, aliases, batched=lambda rec: False):
                 codec = get_codec(rec.section.codec)
                 ctx = SectionContext(rec.name, rec.numel, rec.dtype.itemsize, reader.source)
                 future = pool.submit(codec.decode_changes, payload, rec.section.params, ctx)
+            elif not pending:  # nothing decoded ahead of it (a batch's section): its turn is now
+                yield rec, payload, None
+                continue
             pending.append((rec, payload, future))
             in_flight += _decoded_bytes(rec, payload)
             while len(pending) > depth or (len(pending) > 1 and in_flight > DECODE_AHEAD_BYTES):
@@ -989,7 +1010,7 @@ def _roll_back(undo: list) -> list:
     """Put back every logged write, newest first; returns the names of tensors that could not be
     (a write interrupted before its old values came back)."""
     lost = []
-    for entry in reversed(undo):
+    for entry in reversed(_entries(undo)):
         if entry.old is None:
             lost.append(entry.name)
         elif entry.positions is None:
