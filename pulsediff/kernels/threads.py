@@ -29,6 +29,7 @@ from typing import Callable, Sequence, TypeVar
 T = TypeVar("T")
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None
+_decode_pool: tuple[int, int, ThreadPoolExecutor] | None = None
 _lock = threading.Lock()
 _inside = threading.local()  # set in pool threads: a nested map runs inline instead of waiting on itself
 
@@ -36,9 +37,9 @@ _inside = threading.local()  # set in pool threads: a nested map runs inline ins
 def _after_fork_in_child() -> None:
     # The child has none of the parent's threads: a lock another thread held at the
     # fork would stay held forever, and the pool's workers are gone.
-    global _pool, _lock
+    global _pool, _decode_pool, _lock
     _lock = threading.Lock()
-    _pool = None
+    _pool = _decode_pool = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -59,6 +60,18 @@ def num_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def decode_pool(workers: int) -> ThreadPoolExecutor:
+    """A second pool of `workers` threads, for work that runs ahead of what the main pool does
+    (the entropy decode of the sections after the one being placed, ops/live.py), kept for the
+    process: a pool made per apply cost a few milliseconds of thread starts each time."""
+    global _decode_pool
+    with _lock:
+        if _decode_pool is None or _decode_pool[:2] != (os.getpid(), workers):
+            _decode_pool = (os.getpid(), workers, ThreadPoolExecutor(max_workers=workers,
+                                                                     thread_name_prefix="pulsediff-decode"))
+        return _decode_pool[2]
 
 
 def _mark_inside() -> None:

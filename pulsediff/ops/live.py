@@ -905,16 +905,16 @@ def _decoded_ahead(records, reader, aliases, batched=lambda rec: False):
     one is placed and added on its device. A failed decode is raised when its turn comes;
     nothing decoded is used before its turn."""
     from collections import deque
-    from concurrent.futures import ThreadPoolExecutor, wait
+    from concurrent.futures import wait
 
     from pulsediff.codecs import get_codec
     from pulsediff.codecs.base import SectionContext
-    from pulsediff.kernels.threads import num_threads
+    from pulsediff.kernels.threads import decode_pool, num_threads
 
     depth = min(num_threads(), DECODE_AHEAD_SECTIONS)
     pending: deque = deque()
     in_flight = 0
-    pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="pulsediff-decode") if depth > 1 else None
+    pool = decode_pool(depth) if depth > 1 else None
     try:
         for rec in records:
             payload = reader.read_next(rec.section, f"tensor {rec.name!r}") if rec.section else None
@@ -943,7 +943,6 @@ def _decoded_ahead(records, reader, aliases, batched=lambda rec: False):
                 if future is not None:
                     future.cancel()
             wait([f for _, _, f in pending if f is not None])
-            pool.shutdown(wait=True)
 
 
 def _decoded_bytes(rec, payload: bytes) -> int:
