@@ -120,11 +120,17 @@ class StateDict(Checkpoint):
         self.shards = [ShardFile("", self.path, _BuiltHeader(metadata, tuple(entries)), None)]
         self._where = {e.name: (self.shards[0], e) for e in entries}
         self._mapped = set()  # Checkpoint's prefetch and release bookkeeping (nothing is mapped here)
+        self._views: dict = {}  # name -> a CPU tensor's bytes as a NumPy view of its memory
         self._unmapping = {}
 
     def raw_bytes(self, name: str) -> np.ndarray:
         t = self._tensors[name]
-        return device_bits(t).view(np.uint8) if t.device.type == "cpu" else host_bytes(t)
+        if t.device.type != "cpu":
+            return host_bytes(t)
+        view = self._views.get(name)  # asked for by the digest, then by the rebuild
+        if view is None:
+            view = self._views[name] = device_bits(t).view(np.uint8)
+        return view
 
     @property
     def on_gpu(self) -> bool:
@@ -393,7 +399,8 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
         names, elements = set(), 0
         for name, positions, values, old in changes:
             if positions.size:
-                view = _writable_bits(tensors[name])
+                view = _writable_bits(tensors[name]) if tensors[name].device.type != "cpu" else \
+                    live.raw_bytes(name).view(values.dtype)
                 undo.append(_Undo(name, view, positions, old))
                 _scatter(view, positions, values)
                 names.add(name)
