@@ -10,6 +10,7 @@ is that patches written by an old pulsediff keep applying, byte for byte.
     python scripts/make_golden.py tests/golden/v1.2    # format 1.2: per-tensor word sums
     python scripts/make_golden.py tests/golden/v1.3    # format 1.3: codec ctx-ac
     python scripts/make_golden.py tests/golden/v1.4    # format 1.4: tree tensor hashes (and one flat)
+    python scripts/make_golden.py tests/golden/v1.5    # format 1.5: layout.cast (and a bf16 patch of BF16 files)
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ def main(out: Path) -> None:
         expected["exact.ctx-rans.flat.pulsediff"] = {
             "base": "base.safetensors", "target": "target.safetensors",
             "target_digest": checkpoint_digest_of(out / "target.safetensors", scheme="flat")}
+    if version_of(out) >= (1, 5):
+        # A bf16 patch of files that are BF16 already (layout.cast false): its appliers write the
+        # trainer's layout, metadata and all ("step": "1"), not the base's (FORMAT.md §5.2).
+        _write_once(out / "base16.safetensors", lambda p: save_file({"w": w}, str(p), metadata={"step": "0"}))
+        _write_once(out / "target16.safetensors", lambda p: save_file({"w": w2.view(torch.bfloat16)}, str(p),
+                                                                      metadata={"step": "1"}))
+        _write_once(out / "bf16.uncast.ctx-rans.pulsediff", lambda p: make_patch(
+            out / "base16.safetensors", out / "target16.safetensors", p, precision="bf16", device="cpu"))
+        expected["bf16.uncast.ctx-rans.pulsediff"] = {
+            "base": "base16.safetensors", "target": "target16.safetensors",
+            "target_digest": checkpoint_digest_of(out / "target16.safetensors", "bf16", scheme=scheme)}
     _folder_cases(out, g, expected, codecs)
     (out / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
 

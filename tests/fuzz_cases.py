@@ -423,9 +423,10 @@ def header_frame(header) -> bytes:
     return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
 
 
-def assemble(header: dict, *, fix: bool = True, post=None) -> bytes:
+def assemble(header: dict, *, fix: bool = True, post=None, minor: int = 1) -> bytes:
     """The patch for `header` and its attached bodies; with `fix`, every offset, length, checksum and
-    target.bytes recomputed first. `post(header)` edits the header after that (so its edits stay)."""
+    target.bytes recomputed first. `post(header)` edits the header after that (so its edits stay).
+    `minor`: the preamble's minor version (what a reader takes the version's rules from)."""
     h = copy.deepcopy(header)
     bodies, offset = [], 0
     for ref in section_refs(h):
@@ -441,7 +442,7 @@ def assemble(header: dict, *, fix: bool = True, post=None) -> bytes:
         fix_target_bytes(h)
     if post is not None:
         post(h)
-    return forge_frame(header_frame(h)) + b"".join(bodies)
+    return forge_frame(header_frame(h), minor=minor) + b"".join(bodies)
 
 
 def _strip_bodies(obj) -> None:

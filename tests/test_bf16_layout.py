@@ -79,3 +79,69 @@ def test_without_a_bf16_layout_the_trainers_layout_is_used(tmp_path):
     assert not result.layout_from_base
     assert sorted(folder_bytes(tmp_path / "out")) == sorted(folder_bytes(trainer1))  # the trainer's file names
     assert checkpoint_digest_of(tmp_path / "out") == checkpoint_digest_of(trainer1, precision="bf16")
+
+
+def _bf16_files(tmp_path):
+    """A BF16 pair of files as a trainer that keeps BF16 weights saves them, each step in its metadata."""
+    from safetensors.torch import save_file
+
+    w0, w1 = _steps(np.random.default_rng(11))
+    base, target = tmp_path / "step0.safetensors", tmp_path / "step1.safetensors"
+    save_file(_bf16(w0), str(base), metadata={"step": "0"})
+    save_file(_bf16(w1), str(target), metadata={"step": "1"})
+    return base, target
+
+
+def test_a_bf16_patch_of_files_already_bf16_writes_the_trainers_files(tmp_path):
+    """Nothing cast (layout.cast false, format 1.5): the trainer's files are the target's, metadata and
+    all; the base's layout would carry its own step."""
+    from pulsediff.format.patch_file import read_patch_header
+
+    base, target = _bf16_files(tmp_path)
+    make_patch(base, target, tmp_path / "p.pulsediff", precision="bf16")
+    assert read_patch_header(tmp_path / "p.pulsediff").layout.cast is False
+    apply_patch(base, tmp_path / "p.pulsediff", tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == target.read_bytes()
+
+
+def test_an_exact_patch_relabelled_bf16_still_writes_the_target(tmp_path):
+    """Issue 48, item 11: `precision` edited from exact to bf16 behind recomputed checksums applied with
+    the base's layout and metadata ("step": "0" on a step-1 output). The edit now changes nothing: the
+    patch does not say that its trainer cast anything, so its layout, checked by layout.digest, is
+    written. (A preamble rewritten to a version before 1.5 as well is read by that version's rule:
+    FORMAT.md §5.2.)"""
+    from fuzz_cases import assemble, split_patch
+
+    from pulsediff.format.container import FORMAT_MINOR
+
+    base, target = _bf16_files(tmp_path)
+    make_patch(base, target, tmp_path / "exact.pulsediff")
+    header = split_patch((tmp_path / "exact.pulsediff").read_bytes())
+    assert header["precision"] == "exact" and "cast" not in header["layout"]
+    header["precision"] = "bf16"
+    (tmp_path / "relabelled.pulsediff").write_bytes(assemble(header, minor=FORMAT_MINOR))
+    apply_patch(base, tmp_path / "relabelled.pulsediff", tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == target.read_bytes()
+
+
+def test_layout_cast_must_be_true_or_false(tmp_path):
+    from fuzz_cases import assemble, split_patch
+
+    from pulsediff.errors import CorruptPatchError
+    from pulsediff.format.patch_file import read_patch_header
+
+    base, target = _bf16_files(tmp_path)
+    make_patch(base, target, tmp_path / "p.pulsediff", precision="bf16")
+    header = split_patch((tmp_path / "p.pulsediff").read_bytes())
+    for value in (1, 0, "true", None, []):
+        header["layout"]["cast"] = value
+        (tmp_path / "edited.pulsediff").write_bytes(assemble(header))
+        if value is None:  # null: not written (a 1.4 writer's patch, or an exact one)
+            assert read_patch_header(tmp_path / "edited.pulsediff").layout.cast is None
+            continue
+        try:
+            read_patch_header(tmp_path / "edited.pulsediff")
+        except CorruptPatchError as exc:
+            assert "layout.cast" in str(exc)
+        else:
+            raise AssertionError(f"layout.cast {value!r} was accepted")

@@ -211,7 +211,8 @@ def test_magic_and_version_are_pinned():
     assert MAGIC == b"PULSEDIF"
     assert PATCH_MAGIC == MAGIC  # the checkpoint reader names a patch given in a checkpoint's place by it
     assert FORMAT_MAJOR == 1
-    assert FORMAT_MINOR == 4  # 1.1: layout digest, folder files; 1.2: word sums; 1.3: ctx-ac; 1.4: tree hashes (docs/FORMAT.md §11)
+    assert FORMAT_MINOR == 5  # 1.1: layout digest, folder files; 1.2: word sums; 1.3: ctx-ac; 1.4: tree hashes;
+    # 1.5: layout.cast (docs/FORMAT.md §11)
     assert PREAMBLE.size == 32
 
 

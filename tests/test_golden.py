@@ -21,7 +21,7 @@ CASES = [(version, name, spec) for version in sorted(p for p in GOLDEN.iterdir()
          for name, spec in json.loads((version / "expected.json").read_text()).items()]
 
 
-# Under the CUDA simulator a golden base of more than this many bytes takes minutes (v1.4's 284 KB base, with a
+# Under the CUDA simulator a golden base of more than this many bytes takes minutes (v1.4's and v1.5's 284 KB base, with a
 # tensor of two hash chunks: 110 s a patch, where the others take 7 s): those cases run in the slow tier
 # (`pytest -m slow`, which .ci/run runs too); the CPU applies every golden patch in the default one.
 SIMULATOR_BASE_BYTES = 64 << 10

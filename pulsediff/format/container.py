@@ -32,7 +32,7 @@ from pulsediff.errors import (
 
 MAGIC = b"PULSEDIF"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 4
+FORMAT_MINOR = 5
 PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, major, minor, flags, header length, checksum
 # The checksum is XXH3-64 of the first 24 preamble bytes followed by the header
 # frame, so that no byte before the sections goes unchecked.

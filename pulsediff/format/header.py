@@ -82,6 +82,9 @@ class Layout:
     index_len: int | None  # bytes of model.safetensors.index.json in the blob, if any
     section: SectionRef
     digest: str | None = None  # XXH3-128 hex of the blob (format 1.1; None in 1.0 patches)
+    # Format 1.5, bf16 patches: whether the trainer's files held tensors the BF16 view casts (§5.2:
+    # only then may an applier write the receiver's own layout). None where not written.
+    cast: bool | None = None
 
     @property
     def blob_len(self) -> int:
@@ -96,6 +99,8 @@ class Layout:
         }
         if self.digest is not None:
             out["digest"] = self.digest
+        if self.cast is not None:
+            out["cast"] = self.cast
         return out
 
 
@@ -336,7 +341,10 @@ class _Parser:
         digest = obj.get("digest")
         if digest is not None and not is_tensor_hash(digest):
             raise self.fail("layout.digest is not a hash")
-        return Layout(kind, tuple(files), index_len, section, digest)
+        cast = obj.get("cast")
+        if cast is not None and type(cast) is not bool:
+            raise self.fail("layout.cast is not true or false")
+        return Layout(kind, tuple(files), index_len, section, digest, cast)
 
     def folder_files(self, obj: dict, layout: Layout) -> tuple[tuple[FileRecord, ...], tuple[str, ...]]:
         """Format 1.1's `files` and `removed_files`: absent in 1.0 patches, only for folders."""

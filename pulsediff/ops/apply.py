@@ -171,7 +171,7 @@ def _apply(base, patches, out, in_place, device, progress, dry_run, force, expec
             # What the output will be (a file or a folder) is known from the headers alone: an output that
             # cannot hold it is refused before the base is hashed, and before an existing one is (force
             # would not help).
-            receiver = _receiver_layout(base_ckpt, view, final)
+            receiver = _receiver_layout(base_ckpt, view, final, final_link.reader.version)
             sequential = len(patches) == 1  # one patch, maybe on stdin: read it front to back
             if receiver is not None and sequential and receiver.order != [r.name for r in final.tensors]:
                 if _seekable(first_link.reader.stream):
@@ -474,11 +474,16 @@ class _TargetFiles:
         return cls(header.layout.kind, files, index)
 
 
-def _receiver_layout(base: Checkpoint, view: TensorView, final: PatchHeader) -> _TargetFiles | None:
+def _receiver_layout(base: Checkpoint, view: TensorView, final: PatchHeader,
+                     version: tuple[int, int]) -> _TargetFiles | None:
     """In bf16 mode, the base's own file layout when the base already is a BF16 checkpoint of the same
     tensors: the receiver keeps its files as its own tool saved them (names, sharding, metadata, order),
-    rather than the layout of the trainer's FP32 files. None when that does not hold."""
+    rather than the layout of the trainer's FP32 files. None when that does not hold, and (format 1.5)
+    when the patch says the trainer cast nothing: its files were BF16 already, and their layout, checked
+    by layout.digest, is the target's own (a relabelled exact patch writes the target, FORMAT.md §5.2)."""
     if final.precision != "bf16" or not base.shards:
+        return None
+    if version >= (1, 5) and not final.layout.cast:
         return None
     records = {r.name: r for r in final.tensors}
     if set(base.names) != set(records) or any(view.casts(base.entry(n).dtype) for n in base.names):

@@ -64,6 +64,8 @@ class TargetSource:
     inputs: list | None = None  # the checkpoints `get` reads (None: unknown, so every mapped file is checked)
     # A tensor as `get` gives it, its bits already in GPU memory (a live CUDA tensor's own), or None.
     get_device: Callable[[str], TensorData | None] | None = None
+    # bf16 mode: whether any of the trainer's tensors is cast (the patch's layout.cast, FORMAT.md §5.2).
+    cast: bool | None = None
 
     @classmethod
     def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
@@ -74,7 +76,9 @@ class TargetSource:
         return cls(new.precision, new.ckpt.kind, blob, files, index_len, entries, new.get,
                    [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
                    others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release,
-                   inputs=[new.ckpt], get_device=_device_data_of(new))
+                   inputs=[new.ckpt], get_device=_device_data_of(new),
+                   cast=any(new.casts(new.ckpt.entry(n).dtype) for n in new.ckpt.names)
+                   if new.precision == "bf16" else None)
 
 
 def make_patch(
@@ -370,7 +374,8 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
         target_digest=scheme.digest(target_ids),
         base_tensors=len(base_ids),
         target_bytes=target_bytes,
-        layout=Layout(target.kind, tuple(target.layout_files), target.index_len, layout_ref, layout_digest),
+        layout=Layout(target.kind, tuple(target.layout_files), target.index_len, layout_ref, layout_digest,
+                      target.cast),
         tensors=tuple(records),
         removed=tuple(sorted(removed)),
         files=tuple(files),

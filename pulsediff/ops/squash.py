@@ -76,6 +76,10 @@ def squash_patches(
                 file_names=list(file_bytes), read_file=file_bytes.__getitem__,
                 reuses_buffers=True,  # `get` rebuilds into `scratch`
                 inputs=[base_ckpt],  # write_patch checks it, then closes it unverified: no error after the commit
+                # Which layout the chain's appliers write (§5.2): before 1.5 a bf16 patch did not say
+                # whether it cast, and the receiver's layout was written wherever the base allowed.
+                cast=final.layout.cast if links[-1].reader.version >= (1, 5) else
+                (True if final.precision == "bf16" else None),
             )
             header = write_patch(base, target, out, codec=codec, device=device, progress=progress, scheme=scheme)
         if header.target_digest != final.target_digest:  # cannot happen unless a bug: refuse loudly
