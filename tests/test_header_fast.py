@@ -23,7 +23,7 @@ GOLDEN = sorted(Path("tests/golden").glob("*/*.pulsediff"))
 # Values an edit puts in a field: wrong types, edges of each range, other ops and codecs.
 HOSTILE = [None, True, False, 0, 1, -1, 2**63, 2**64, 1.0, "", "x", "patch", "same", "full", "BF16", "F32",
            "ctx-rans", "gap-zstd", "full-zstd", "ctx-ac", "ab" * 8, "AB" * 8, "0" * 32, "g" * 32, "0" * 16,
-           [], [0], [2, 3], [-1], [True], [2**40, 2**40], {}, {"count": 1}, "é" * 2000]
+           [], [0], [2, 3], [-1], [True], [2**40, 2**40], {}, {"count": 1}, "é" * 2000, "é", "\ud800"]
 
 
 def _entries(path: Path) -> list[dict]:

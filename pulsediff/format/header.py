@@ -412,7 +412,7 @@ def _patch_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
     dtype = DTYPES.get(dtype)
     facts = FACTS.get(codec)
     if op != "patch" or not name or dtype is None or facts is None or not facts.needs_base \
-            or len(name) > MAX_NAME_BYTES // 4 or len(shape) > MAX_NDIM:
+            or not name.isascii() or len(name) > MAX_NAME_BYTES or len(shape) > MAX_NDIM:
         return None
     numel = 1
     for d in shape:
@@ -450,7 +450,7 @@ def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
     if type(name) is not str or not name or type(dtype) is not str or type(shape) is not list \
             or type(op) is not str or type(changed) is not int or type(target_hash) is not str:
         return None
-    if len(name) > MAX_NAME_BYTES // 4 and len(name.encode("utf-8")) > MAX_NAME_BYTES:
+    if not name.isascii() or len(name) > MAX_NAME_BYTES:  # others (their UTF-8 length): the parser
         return None
     dtype = DTYPES.get(dtype)
     if dtype is None or len(shape) > MAX_NDIM:

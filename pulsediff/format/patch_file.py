@@ -181,7 +181,7 @@ def _describes_in_order(raw: bytes, records) -> bool:
         if name != rec.name or type(info) is not dict or info.get("dtype") != rec.dtype.name:
             return False
         shape, offsets, end = info.get("shape"), info.get("data_offsets"), offset + rec.nbytes
-        if type(shape) is not list or tuple(shape) != rec.shape or any(type(d) is not int for d in shape) \
+        if end >= 2**63 or type(shape) is not list or tuple(shape) != rec.shape or any(type(d) is not int for d in shape) \
                 or type(offsets) is not list or len(offsets) != 2 or offsets[0] != offset or offsets[1] != end \
                 or type(offsets[0]) is not int or type(offsets[1]) is not int:
             return False
