@@ -192,3 +192,30 @@ def tree_hash_ref(data: np.ndarray, chunk: int = 1 << 18) -> str:
     body = len(raw).to_bytes(8, "little") + b"".join(xxhash.xxh3_128_digest(raw[lo:lo + chunk])
                                                       for lo in range(0, len(raw), chunk))
     return xxhash.xxh3_128_hexdigest(body)
+
+
+def quantise_frequencies_ref(counts: np.ndarray) -> np.ndarray:
+    """entropy.quantise_frequencies as first written, in NumPy: frequencies summing to 2**12, every
+    present symbol >= 1, the rounding error given to or taken from the most frequent symbols."""
+    from pulsediff.kernels.entropy import PROB_SCALE
+
+    total = int(counts.sum())
+    freqs = np.zeros(counts.size, np.int64)
+    present = counts > 0
+    if total == 0:
+        return freqs
+    freqs[present] = np.maximum(1, (counts[present].astype(np.float64) * PROB_SCALE / total).astype(np.int64))
+    diff = PROB_SCALE - int(freqs.sum())
+    order = np.lexsort((np.arange(counts.size), -counts))
+    i = 0
+    while diff != 0:
+        s = order[i % int(present.sum())]
+        if diff > 0:
+            freqs[s] += diff
+            diff = 0
+        else:
+            take = min(-diff, int(freqs[s]) - 1)
+            freqs[s] -= take
+            diff += take
+            i += 1
+    return freqs

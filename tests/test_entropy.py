@@ -597,3 +597,21 @@ def test_diff_ranks_checked_fails_whole_and_waits_for_no_one(monkeypatch, fresh_
     with pytest.raises(MemoryError, match="range 3"):
         cpu.diff_ranks_checked(old, new, 7, 255, h_old, h_new)
     assert sorted(calls) == [2048 * c for c in range(8)] and h_old.parts == h_new.parts == 7  # every range but the failed one
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.just(0), st.integers(1, 5), st.integers(1, 10**9)), min_size=256, max_size=256),
+       st.booleans())
+def test_quantise_frequencies_matches_the_numpy_reference(counts, few):
+    """The Numba form of quantise_frequencies gives the NumPy form's table bit for bit (a section's
+    bytes depend on it): many ties, huge and tiny counts, one symbol, none."""
+    from reference import quantise_frequencies_ref
+
+    counts = np.array(counts, np.int64)
+    if few:  # one or two symbols present: the rounding error all on one
+        counts[np.argsort(counts)[:-2]] = 0
+    want = quantise_frequencies_ref(counts)
+    got = entropy.quantise_frequencies(counts)
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    if counts.sum():
+        assert got.sum() == entropy.PROB_SCALE and (got[counts > 0] >= 1).all() and not got[counts == 0].any()
