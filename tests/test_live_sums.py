@@ -10,6 +10,7 @@ from a torch tensor to its device array (`live.device_bits`) is the one part not
 from __future__ import annotations
 
 import io
+import sys
 
 import numpy as np
 import pytest
@@ -411,7 +412,6 @@ def test_an_interrupt_while_tensors_are_placed_side_by_side_undoes_every_write(m
     """Ctrl-C in the main thread while worker threads place tensors: every placement still
     writing finishes before the rollback, so all tensors are put back (before, one could be
     left written and unlisted)."""
-    import sys
 
     from pulsediff.kernels import cpu
 
@@ -484,3 +484,54 @@ def test_sums_of_tensors_that_could_not_be_put_back_are_forgotten(monkeypatch):
     assert "not put back" in lost
     assert any(name in lost for name in patched)
     assert all(name not in sums for name in patched if name in lost)
+
+
+def test_an_interrupt_while_waiting_for_a_batch_undoes_its_writes(monkeypatch):
+    """Ctrl-C while the main thread waits for a batch placed on a worker thread: the batch still
+    writes, and its undo entries must reach the log (before, the unit was taken off the running
+    queue before the wait, and its writes stayed)."""
+    from concurrent.futures import Future
+
+    from pulsediff.kernels import cpu
+
+    if cpu.side_by_side() == 0:
+        pytest.skip("one worker thread: no tensors are placed side by side")
+    rng = np.random.default_rng(13)
+    old = {f"e{i}": random_tensor(rng, "BF16", (300, 1000)) for i in range(16)}  # two batches of small sections
+    new = {k: mutate(rng, v, 0.05) for k, v in old.items()}
+    patch = pulsediff.make_patch_bytes(old, new)
+    live_tensors = _clone(old)
+    result, fired = Future.result, []
+
+    def interrupted(self, timeout=None):
+        caller = sys._getframe(1).f_code.co_name
+        if not fired and caller in ("_settled_first", "_placed_side_by_side"):
+            fired.append(caller)
+            result(self)  # the batch has written by now
+            raise KeyboardInterrupt
+        return result(self, timeout)
+
+    monkeypatch.setattr(Future, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pulsediff.apply_to_state_dict(live_tensors, patch, check="sums")
+    assert fired
+    assert _same(live_tensors, old)
+
+
+def test_revert_puts_back_the_memory_written_even_where_a_name_was_bound_again():
+    """The undo log reaches the tensors an apply wrote, not whatever the caller's mapping holds by the
+    time of revert (batched tensors' views are made when needed)."""
+    rng = np.random.default_rng(14)
+    old = {f"e{i}": random_tensor(rng, "BF16", (40, 50)) for i in range(6)}
+    new = {k: mutate(rng, v, 0.1) for k, v in old.items()}
+    patch = pulsediff.make_patch_bytes(old, new)
+    live_tensors = _clone(old)
+    written = dict(live_tensors)
+    undo_log = []
+    pulsediff.apply_to_state_dict(live_tensors, patch, check="sums", undo_log=undo_log)
+    assert _same(written, new)
+    live_tensors["e0"] = live_tensors["e0"].clone()  # the caller binds a name to another tensor
+    rebound = live_tensors["e0"].clone()
+    live.revert(undo_log)
+    assert _same(written, old)  # the memory the apply wrote is as it was
+    assert _same({"e0": live_tensors["e0"]}, {"e0": rebound})  # and the other tensor untouched

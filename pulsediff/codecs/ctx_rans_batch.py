@@ -110,6 +110,7 @@ class Batch:
         sums_after = np.zeros(len(self.names), np.int64)
         status, index = kernels.apply_batch(data, meta, addresses, np.empty(0, self.dtype), positions, old,
                                             sums_after)
+        self._payloads = self._rows = None  # decoded: an undo log that keeps the result needs them no more
         return BatchResult(self, int(status), int(index), meta[:, M_UNDO], meta[:, M_COUNT], positions, old,
                            sums_after)
 

@@ -579,7 +579,9 @@ class LiveViews(dict):
 
     def __init__(self, tensors: Mapping, aliases: Mapping):
         super().__init__()
-        self.tensors, self.aliases = tensors, aliases
+        # The caller's tensors as they are now: the undo log makes views from them later, and must
+        # reach this memory even where the caller has bound a name to another tensor since.
+        self.tensors, self.aliases = dict(tensors), aliases
         self._spans: dict = {}  # asked for by the word sums, then by the batches
         self.names = [name for name in tensors if name not in aliases]  # one entry per memory
         self.all_on_host = all(tensors[name].device.type == "cpu" for name in self.names)
@@ -858,6 +860,18 @@ def _settled(outcome, undo: list) -> tuple:
     return placed
 
 
+def _settled_first(running, undo: list) -> tuple:
+    """_settled of the oldest running unit, taken off `running` only once its undo entries are
+    logged: a Ctrl-C while it runs leaves it there, for the caller's wait and log (entries logged
+    twice are put back twice: the same old values)."""
+    placed, logged, error = running[0].result()
+    undo.extend(logged)
+    running.popleft()
+    if error is not None:
+        raise error
+    return placed
+
+
 def _side_by_side(views: LiveViews) -> bool:
     """Whether tensors are placed side by side, one per worker thread, each walked on its thread
     alone (the CPU's one-pass walk, without the class counts a range-parallel walk needs)."""
@@ -885,9 +899,9 @@ def _placed_side_by_side(units, place, undo):
         for unit in units:
             running.append(pool().submit(_run_unit, unit, place, Scratch(), True))
             if len(running) >= num_threads():
-                yield _settled(running.popleft().result(), undo)
+                yield _settled_first(running, undo)
         while running:
-            yield _settled(running.popleft().result(), undo)
+            yield _settled_first(running, undo)
     finally:
         wait(running)
         for future in running:  # batches that finished unseen: their writes must be undone too
