@@ -339,13 +339,17 @@ def test_tied_weights_are_patched_once_through_either_path():
     w0, b0 = random_tensor(rng, "BF16", (40, 9)), random_tensor(rng, "F32", (9,))
     w1, b1 = mutate(rng, w0, 0.1), mutate(rng, b0, 0.1)
     patch = pulsediff.make_patch_bytes({"embed": w0, "lm_head": w0, "b": b0}, {"embed": w1, "lm_head": w1, "b": b1})
-    results = []
+    results, written = [], []
     for check in ("sums", "digests"):
         tied = w0.clone()
         live_tensors = {"embed": tied, "lm_head": tied, "b": b0.clone()}
-        results.append(pulsediff.apply_to_state_dict(live_tensors, patch, check=check))
+        changes = {}
+        results.append(pulsediff.apply_to_state_dict(live_tensors, patch, check=check, changes=changes))
         assert torch.equal(tied.view(torch.int16), w1.view(torch.int16)) and torch.equal(live_tensors["b"], b1)
+        written.append({name: sorted(p.tolist()) for name, p in changes.items()})
     assert results[0] == results[1] and results[0].changed_tensors >= 2
+    # `changes` names both (a consumer mirrors the writes per name); the sums path left the alias out
+    assert written[0] == written[1] and {"embed", "lm_head"} <= set(written[0])
     flat = w0.clone().reshape(-1)
     overlapping = {"embed": flat[:360].view(40, 9), "lm_head": flat[:360].view(40, 9)[1:].clone(), "b": b0.clone()}
     overlapping["lm_head"] = flat[9:].view(39, 9)

@@ -266,7 +266,11 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
                     sums.pop(name, None)
         raise
     if changes is not None:
-        changes.update(_written_positions(undo))
+        written = _written_positions(undo)
+        for alias, name in _aliases(tensors).items():  # tied weights: written once, under one name
+            if name in written:
+                written.setdefault(alias, written[name])
+        changes.update(written)
     if sums is not None:
         sums.clear()
         sums.update(known)
