@@ -8,7 +8,6 @@ the code can trust it. `to_json` is its exact inverse.
 from __future__ import annotations
 
 import math
-import operator
 import re
 from dataclasses import dataclass, field
 
@@ -219,7 +218,7 @@ class _Parser:
         if scheme_of(base_digest) != scheme_of(target_digest):
             raise self.fail("base.digest and target.digest are of different schemes")
         scheme = scheme_of(target_digest)
-        tensors = tuple(_patch_checked(t, scheme) or _tensor_checked(t, scheme) or self.tensor(t, i, scheme)
+        tensors = tuple(_tensor_checked(t, scheme) or self.tensor(t, i, scheme)
                         for i, t in enumerate(self.list(obj, "tensors", MAX_TENSORS)))
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
@@ -406,46 +405,6 @@ def _elements(shape: list) -> int:
             return -1
         numel *= d
     return numel
-
-
-_PATCH_FIELDS = operator.itemgetter("name", "dtype", "shape", "op", "changed", "target_hash", "base_hash",
-                                    "target_sum", "base_sum", "section")
-_PATCH_TYPES = (str, str, list, str, int, str, str, str, str, dict)
-_SECTION_FIELDS = operator.itemgetter("offset", "length", "xxh3", "codec", "params")
-_SECTION_TYPES = (int, int, str, str, dict)
-
-
-def _patch_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
-    """_tensor_checked for the commonest entry, a patch with word sums, its fields taken and
-    their types compared all at once (C calls, not one per field); None for any other."""
-    try:
-        values = _PATCH_FIELDS(obj)
-        ref = _SECTION_FIELDS(values[9])
-    except (KeyError, TypeError):
-        return None
-    if tuple(map(type, values)) != _PATCH_TYPES or tuple(map(type, ref)) != _SECTION_TYPES:
-        return None
-    name, dtype, shape, op, changed, target_hash, base_hash, target_sum, base_sum, section = values
-    offset, length, checksum, codec, params = ref
-    dtype = DTYPES.get(dtype)
-    facts = FACTS.get(codec)
-    if op != "patch" or not name or dtype is None or facts is None or not facts.needs_base \
-            or not name.isascii() or len(name) > MAX_NAME_BYTES or len(shape) > MAX_NDIM:
-        return None
-    numel = _elements(shape)
-    if numel < 0 or numel * dtype.itemsize > MAX_SECTION_BYTES or not 0 < changed <= numel \
-            or not 0 <= offset <= MAX_SECTION_BYTES or not 0 <= length <= MAX_SECTION_BYTES \
-            or facts.changed_count(params) not in (None, changed) or not 0 <= facts.index_bytes(params) <= length:
-        return None
-    hexes = target_hash + base_hash + target_sum + base_sum + checksum
-    if len(hexes) != 112 or len(target_hash) != 32 or len(base_hash) != 32 or len(target_sum) != 16 \
-            or len(checksum) != 16 or _LOWER_HEX.fullmatch(hexes) is None:
-        return None
-    section = _built(SectionRef, {"offset": offset, "length": length, "checksum": checksum, "codec": codec,
-                                  "params": params})
-    return _built(TensorRecord, {"name": name, "dtype": dtype, "shape": tuple(shape), "op": op, "changed": changed,
-                                 "target_hash": target_hash, "base_hash": base_hash, "section": section,
-                                 "target_sum": target_sum, "base_sum": base_sum, "scheme": scheme})
 
 
 def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
