@@ -39,7 +39,7 @@ import functools
 import gc
 import io
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -97,18 +97,11 @@ class StateDict(Checkpoint):
     """
 
     def __init__(self, tensors: Mapping, metadata: dict[str, str] | None = None):  # noqa: super() would open a path
-        import torch
-
         self.path = Path("<state dict>")
         self.kind = "file"
         self.index_bytes = None
-        self._tensors = {}
-        for name, t in tensors.items():
-            if not isinstance(name, str) or not name:
-                raise UsageError(f"state dict keys must be non-empty strings, not {name!r}")
-            if not isinstance(t, torch.Tensor):
-                raise UsageError(f"{name!r} is a {type(t).__name__}, not a torch tensor")
-            self._tensors[name] = t
+        _check_items(tensors)
+        self._tensors = dict(tensors)
         dtypes = {name: dtype_of(t) for name, t in self._tensors.items()}
         order = sorted(self._tensors, key=lambda n: (-_SAFETENSORS_DTYPE_RANK[dtypes[n].name], n))
         entries, offset = [], 0
@@ -243,6 +236,7 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
         raise UsageError(f"unknown check {check!r}; choose one of {', '.join(CHECKS)}")
     changed_tensors: set[str] = set()
     changed_elements = 0
+    aliases: dict[str, str] = {}  # tied weights, written under one of their names
     undo: list[_Undo] = []  # in write order
     known: dict[str, int] = dict(sums or {})  # word sums known since the last patch (sums path)
     status = "up-to-date"
@@ -257,6 +251,7 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
                 status = "applied"
                 changed_tensors |= step.names
                 changed_elements += step.elements
+                aliases.update(step.aliases)
     except BaseException as exc:
         lost = _roll_back(undo)
         if lost:
@@ -267,7 +262,7 @@ def apply_to_state_dict(tensors: MutableMapping, patches: list | str | Path | Bi
         raise
     if changes is not None:
         written = _written_positions(undo)
-        for alias, name in _aliases(tensors).items():  # tied weights: written once, under one name
+        for alias, name in aliases.items():  # the positions of the memory they share
             if name in written:
                 written.setdefault(alias, written[name])
         changes.update(written)
@@ -326,6 +321,7 @@ class _Step:
     target_digest: str
     names: set
     elements: int
+    aliases: dict = field(default_factory=dict)  # names written through another's memory (the sums path)
 
 
 def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expect=None) -> _Step:
@@ -782,7 +778,7 @@ def apply_by_sums(views: LiveViews, reader, header, undo: list, known: dict, ali
         if counts.get(name):
             names.add(alias)
             elements += counts[name]
-    return _Step("applied", header.target_digest, names, elements)
+    return _Step("applied", header.target_digest, names, elements, dict(aliases))
 
 
 def _word_sums(views: LiveViews, names: list, known: Mapping) -> dict:
@@ -799,9 +795,9 @@ def _word_sums(views: LiveViews, names: list, known: Mapping) -> dict:
     nbytes = [spans[name][1] * views.bits_dtype(name).itemsize for name in small]
     # One call per thread, each over a run of tensors of about equal bytes (the read of every
     # base is most of this; one thread reads about 5 GB/s).
-    cuts = [0] + [int(k) for k in np.searchsorted(np.cumsum(nbytes), [sum(nbytes) * (j + 1) / num_threads()
-                                                                    for j in range(num_threads() - 1)])] \
-        + [len(small)]
+    threads = num_threads()
+    shares = [sum(nbytes) * j / threads for j in range(1, threads)]
+    cuts = [0, *np.searchsorted(np.cumsum(nbytes), shares).tolist(), len(small)]
     runs = [(addresses[lo:hi], nbytes[lo:hi], cpu_batch) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
     sums.update(zip(small, (s for run in parallel_map(word_sums_at, runs) for s in run)))
     on_device = [name for name in names if name not in sums and not views.on_host(name)]
@@ -986,24 +982,29 @@ def _overwrite(view, values: np.ndarray) -> None:
         view.copy_to_device(np.ascontiguousarray(values).view(view.dtype))
 
 
+def _check_items(tensors: Mapping) -> None:
+    """A state dict as pulsediff takes one: non-empty string keys, torch tensors."""
+    import torch
+
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"state dict keys must be non-empty strings, not {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"{name!r} is a {type(t).__name__}, not a torch tensor")
+
+
 def _check_structure(tensors: Mapping, records: tuple) -> None:
     """The live tensors are the patch's target's in names, shapes and dtypes (written as stored: a
     bf16 patch needs BF16 live tensors), each contiguous (a write through a copy would be lost)."""
-    for name in tensors:
-        if not isinstance(name, str) or not name:
-            raise UsageError(f"state dict keys must be non-empty strings, not {name!r}")
+    _check_items(tensors)
     if len(records) != len(tensors) or any(r.name not in tensors for r in records):
         have, want = set(tensors), {r.name for r in records}
         extra, missing = sorted(have - want), sorted(want - have)
         what = f"the patch lacks {extra[0]!r}" if extra else f"the live tensors lack {missing[0]!r}"
         raise TensorMismatchError(f"the patch's target has other tensors than the live ones ({what}); "
                                   "live tensors can only be patched, not added or removed")
-    import torch
-
     for rec in records:
         t = tensors[rec.name]
-        if not isinstance(t, torch.Tensor):
-            raise UsageError(f"{rec.name!r} is a {type(t).__name__}, not a torch tensor")
         if t.shape != rec.shape:  # torch.Size is a tuple
             raise TensorMismatchError(f"live tensor {rec.name!r} has shape {list(t.shape)}, "
                                       f"the patch's target {list(rec.shape)}")
