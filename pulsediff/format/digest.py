@@ -218,8 +218,9 @@ class DigestScheme:
         # One XXH3 over the entries' bytes joined (the same bytes as one update per field, a
         # third of the time: a header of 18k tensors is checked against its digest on every read).
         parts = []
-        for name, dtype, shape, hash_hex in sorted(rows, key=_encoded_name):
-            name, dtype = name.encode("utf-8"), dtype.encode("ascii")
+        # Entries sort by their names' UTF-8 bytes (not by code points: they differ past U+FFFF).
+        for name, (_, dtype, shape, hash_hex) in sorted(((row[0].encode("utf-8"), row) for row in rows), key=_first):
+            dtype = dtype.encode("ascii")
             parts += (len(name).to_bytes(4, "little"), name, len(dtype).to_bytes(4, "little"), dtype,
                       struct.pack(f"<I{len(shape)}Q", len(shape), *shape), bytes.fromhex(hash_hex))
         return self.prefix + xxhash.xxh3_128_hexdigest(b"".join(parts))
@@ -230,9 +231,8 @@ class DigestScheme:
         return self.digest([])
 
 
-def _encoded_name(row) -> bytes:
-    """Entries sort by their names' UTF-8 bytes (not by code points: they differ past U+FFFF)."""
-    return row[0].encode("utf-8")
+def _first(pair):
+    return pair[0]
 
 
 TREE = DigestScheme("tree", "xxh3tree:")

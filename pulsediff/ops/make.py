@@ -69,7 +69,7 @@ class TargetSource:
 
     @classmethod
     def of_view(cls, new: TensorView, skip_unsupported: bool = False) -> "TargetSource":
-        blob, files, index_len = _target_layout(new)
+        blob, files, index_len, cast = _target_layout(new)
         entries = [(e.name, e.nbytes) for shard in new.ckpt.shards for e in shard.header.tensors]
         others = folder_files(new.ckpt, skip_unsupported=skip_unsupported)
         found = others.by_name()
@@ -77,8 +77,7 @@ class TargetSource:
                    [f.name for f in others.files], lambda name: read_folder_file(found[name].path, found[name].size),
                    others.skipped, prefetch=new.ckpt.prefetch, release=new.ckpt.release,
                    inputs=[new.ckpt], get_device=_device_data_of(new),
-                   cast=any(new.casts(new.ckpt.entry(n).dtype) for n in new.ckpt.names)
-                   if new.precision == "bf16" else None)
+                   cast=cast if new.precision == "bf16" else None)
 
 
 def make_patch(
@@ -585,8 +584,9 @@ def _diff_files(old: Checkpoint, target: TargetSource, write_section) -> tuple[l
     return records, removed
 
 
-def _target_layout(new: TensorView) -> tuple[bytes, list[LayoutFile], int | None]:
-    """The target's file headers (and index), as the bytes apply will write.
+def _target_layout(new: TensorView) -> tuple[bytes, list[LayoutFile], int | None, bool]:
+    """The target's file headers (and index), as the bytes apply will write, and whether the
+    view casts any tensor (layout.cast, FORMAT.md §5.2).
 
     Exact mode keeps NEW's header bytes verbatim, so the rebuilt files are
     byte-identical. In bf16 mode a shard with cast tensors gets a canonical
@@ -604,12 +604,13 @@ def _target_layout(new: TensorView) -> tuple[bytes, list[LayoutFile], int | None
             raw = shard.header.raw
         blobs.append(raw)
         files.append(LayoutFile(shard.name, len(raw), len(entries)))
+    cast = any(new.casts(new.ckpt.entry(n).dtype) for n in new.ckpt.names)
     index = new.ckpt.index_bytes
-    if index is not None and new.precision == "bf16" and any(new.casts(new.ckpt.entry(n).dtype) for n in new.ckpt.names):
+    if index is not None and new.precision == "bf16" and cast:
         index = _bf16_index(index, new)
     if index is not None:
         blobs.append(index)
-    return b"".join(blobs), files, (len(index) if index is not None else None)
+    return b"".join(blobs), files, (len(index) if index is not None else None), cast
 
 
 def _bf16_index(index_bytes: bytes, new: TensorView) -> bytes:
