@@ -219,3 +219,36 @@ def quantise_frequencies_ref(counts: np.ndarray) -> np.ndarray:
             diff += take
             i += 1
     return freqs
+
+
+def encode_ranked_ref(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, bits: int) -> tuple[bytes, ...]:
+    """ctx-rans's section parts (class table, positions, frequencies, values, escapes) as first
+    written, a NumPy call or a bytearray step at a time: the oracle of ctx_rans.encode_section."""
+    from pulsediff.codecs.ctx_rans import _MAX_Q_BITS, _put_varint, class_major, rice_parameters
+    from pulsediff.kernels import entropy
+
+    count = classes.size
+    counts, values, symbols, symbol_counts, escapes = class_major(classes, ranks, zigzag, 1 << bits, entropy.ESCAPE)
+    listed = np.flatnonzero(counts)
+    counts = counts[listed]
+    ks, rice_bits = rice_parameters(values, counts, _MAX_Q_BITS)
+    table = bytearray()
+    _put_varint(table, int(listed.size))
+    for cls, n, k in zip(listed.tolist(), counts.tolist(), ks.tolist()):
+        _put_varint(table, cls)
+        _put_varint(table, n)
+        table.append(k)
+    rice_buf = np.zeros((int(rice_bits) + 7) // 8 + 8, np.uint8)
+    used = entropy.rice_encode(values, ks, counts, rice_buf)
+    freqs = quantise_frequencies_ref(symbol_counts)
+    cums, _ = entropy.rans_tables(freqs)
+    freq_table = bytearray()
+    present = np.flatnonzero(freqs)
+    _put_varint(freq_table, int(present.size))
+    for s in present.tolist():
+        freq_table.append(s)
+        _put_varint(freq_table, int(freqs[s]))
+    rans_buf = np.empty(2 * count + 16, np.uint8)
+    start = entropy.rans_encode(symbols, freqs, cums, rans_buf)
+    return (bytes(table), rice_buf[:used].tobytes(), bytes(freq_table), rans_buf[start:].tobytes(),
+            escapes.astype(f"<u{zigzag.dtype.itemsize}").tobytes())

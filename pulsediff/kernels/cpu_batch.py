@@ -29,8 +29,9 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pulsediff.codecs.ctx_rans import encode_section
 from pulsediff.kernels import entropy
-from pulsediff.kernels.cpu import locate_whole, word_sum_range, word_term_at
+from pulsediff.kernels.cpu import _diff_ranks_range, _same_range, locate_whole, word_sum_range, word_term_at
 
 # Columns of a batch's int64 `meta` table, one row per section (all checked by the caller
 # against the section's length and its tensor, as ctx_rans._split checks them).
@@ -237,14 +238,73 @@ def apply_batch(data, meta, addresses, like, undo_positions, undo_old, sums_afte
     return OK, meta.shape[0]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _word_sum_at(address, nbytes):
+    # kernels.cpu.word_sum of the nbytes bytes at `address`.
+    raw = carray(_pointer(address), nbytes, np.uint8)
+    nwords = nbytes // 8
+    total = word_sum_range(raw[:8 * nwords].view(np.uint64), 0, nwords) if nwords else np.uint64(0)
+    if nbytes % 8:  # the last word, zero-padded
+        total += word_term_at(raw, nwords, 8, 8)
+    return total
+
+
 @njit(cache=True, nogil=True)
 def word_sums(addresses, nbytes, out):
     """FORMAT.md §3.1's word sum of each buffer (kernels.cpu.word_sum, one thread each) into
     `out` (as int64 bit patterns)."""
     for t in range(addresses.size):
-        raw = carray(_pointer(addresses[t]), nbytes[t], np.uint8)
-        nwords = nbytes[t] // 8
-        total = word_sum_range(raw[:8 * nwords].view(np.uint64), 0, nwords) if nwords else np.uint64(0)
-        if nbytes[t] % 8:  # the last word, zero-padded
-            total += word_term_at(raw, nwords, 8, 8)
-        out[t] = np.int64(total)
+        out[t] = np.int64(_word_sum_at(addresses[t], nbytes[t]))
+
+
+# -- make: many small tensor pairs compared and coded in one call -----------------------------
+
+# Columns of diff_encode_batch's int64 `rows` table, one row per tensor pair.
+(R_CHANGED, R_OLD_SUM, R_NEW_SUM, R_SECTION, R_TABLE, R_POSITIONS, R_FREQUENCIES, R_VALUES,
+ R_ESCAPES) = range(9)
+ROW_COLUMNS = 9
+
+
+@njit(cache=True, nogil=True)
+def diff_encode_batch(old_addresses, new_addresses, numels, like, shift, bits, max_changed, rows, out):
+    """For each pair t of tensors at old_addresses[t] and new_addresses[t] (numels[t] elements of
+    `like`'s dtype), what make's per-tensor path finds in its read of a pair
+    (kernels.cpu.diff_ranks_checked, then ctx-rans's coding), on this thread alone: both word sums,
+    the changed elements' count and, when there are from 1 to max_changed[t] of them, their
+    ctx-rans section (ctx_rans.encode_section) appended to `out`. Fills `rows` (columns R_*;
+    R_SECTION is the section's start in `out`, -1 for none) and returns `out`, replaced by a larger
+    copy when it was short. Bytes moved: each pair read once (from cache for the sums, which
+    come first) and the sections written."""
+    itemsize = like.itemsize
+    mask = (1 << bits) - 1
+    cap = 0
+    for t in range(numels.size):
+        cap = max(cap, min(numels[t], max_changed[t] + 1))
+    zigzag = np.empty(cap, like.dtype)
+    classes = np.empty(cap, np.uint16)
+    ranks = np.empty(cap, np.int64)
+    hist = np.empty(mask + 1, np.int64)
+    at = 0
+    for t in range(numels.size):
+        n = numels[t]
+        row = rows[t]
+        row[R_OLD_SUM] = np.int64(_word_sum_at(old_addresses[t], n * itemsize))
+        row[R_NEW_SUM] = np.int64(_word_sum_at(new_addresses[t], n * itemsize))
+        row[R_SECTION] = -1
+        old = carray(_pointer(old_addresses[t]), n, like.dtype)
+        new = carray(_pointer(new_addresses[t]), n, like.dtype)
+        if _same_range(old, new, 0, n):
+            row[R_CHANGED] = 0
+            continue
+        room = min(n, max_changed[t] + 1)
+        k = _diff_ranks_range(old, new, 0, n, shift, mask, zigzag[:room], classes[:room], ranks[:room], hist)
+        row[R_CHANGED] = k
+        if k == 0 or k > max_changed[t]:
+            continue
+        out, end, table, positions, frequencies, values, escapes = encode_section(
+            classes[:k], ranks[:k], zigzag[:k], bits, out, at)
+        row[R_SECTION] = at
+        row[R_TABLE], row[R_POSITIONS], row[R_FREQUENCIES], row[R_VALUES] = table, positions, frequencies, values
+        row[R_ESCAPES] = escapes
+        at = end
+    return out
