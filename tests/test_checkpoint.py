@@ -10,6 +10,8 @@ import struct
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from pulsediff import apply_patch, make_patch
@@ -289,3 +291,40 @@ def test_a_folder_file_that_grows_while_read_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(folder_files.os, "fstat", stale_fstat)
     with pytest.raises(FolderFileError, match="changed while it was read"):
         folder_files.read_folder_file(path)
+
+
+_ODD_VALUES = [None, True, False, -1, 0, 1, 7, 2**63 - 1, 2**63, 1.0, "4", [], {}, [2], [2, 3], [0, 8], [8, 0],
+               [0, 16], [0, 2**63], [True, 8], [0, 8.0], list(range(65)), [1] * 64, [2, 4, 6], "BF16", "F32",
+               "bf16", "I64", "BOOL"]
+_NAMES = ["w", "", "x" * 4096, "x" * 4097, "é" * 2048, "é" * 2049, "model.layers.0.weight", "\u0000"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=st.sampled_from(_NAMES), dtype=st.sampled_from(_ODD_VALUES), shape=st.sampled_from(_ODD_VALUES),
+       offsets=st.sampled_from(_ODD_VALUES), extra=st.booleans(), info_kind=st.sampled_from(["dict", "list", "str"]))
+def test_fast_entry_reading_accepts_only_what_the_field_by_field_check_does(name, dtype, shape, offsets, extra,
+                                                                            info_kind):
+    """safetensors_header._entry_checked, the fast reading of a tensor entry, gives the entry
+    _entry gives, and nothing (so that _entry refuses it in words) for anything _entry refuses."""
+    from pulsediff.io.safetensors_header import HeaderError, _entry, _entry_checked
+
+    info = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+    if extra:
+        info["note"] = "kept out of the entry"
+    if info_kind != "dict":
+        info = list(info.values()) if info_kind == "list" else "x"
+    fast = _entry_checked(name, info)
+    try:
+        slow = _entry(name, info)
+    except HeaderError:
+        assert fast is None
+        return
+    assert fast is None or (fast == slow and type(fast.shape) is tuple)
+
+
+def test_fast_entry_reading_takes_ordinary_entries():
+    from pulsediff.io.safetensors_header import _entry, _entry_checked
+
+    for info in ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, {"dtype": "BF16", "shape": [], "data_offsets": [6, 8]},
+                 {"dtype": "I64", "shape": [0, 3], "data_offsets": [8, 8]}):
+        assert _entry_checked("model.w", info) == _entry("model.w", info)

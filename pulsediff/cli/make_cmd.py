@@ -34,17 +34,18 @@ def make(
         raise UsageError("--json prints on stdout, which -o - uses for the patch")
     suggested = (new.name.removesuffix(".safetensors") or "patch") + ".pulsediff"  # as ops.make.patch_name, unloaded
     check_output(output, force=force, single_file=("a patch is a single file", suggested))
-    from pulsediff.ops.make import make_patch, unrelated_reason
+    from pulsediff.ops.make import make_patch
 
     out = Output(quiet=quiet, as_json=as_json)
-    unrelated = unrelated_reason(old, new, precision)  # said once the patch is written
     skipped: list[str] = []
+    unrelated: list[str] = []  # found from the headers before the make, said once the patch is written
     header = make_patch(old, new, output, precision=precision, codec=codec, device=device, progress=out.progress(),
-                        skip_unsupported=skip_unsupported, skipped=skipped, force=force, digest=digest)
+                        skip_unsupported=skip_unsupported, skipped=skipped, force=force, digest=digest,
+                        unrelated=unrelated)
     for note in skipped:
         out.warn(f"not carried in the patch: {new}/{note}")
-    if unrelated is not None:  # a valid patch, but likely not the one meant: about as large as NEW itself
-        out.warn(f"{old} and {new} look like unrelated checkpoints: {unrelated}")
+    for reason in unrelated:  # a valid patch, but likely not the one meant: about as large as NEW itself
+        out.warn(f"{old} and {new} look like unrelated checkpoints: {reason}")
     changed = sum(t.changed for t in header.tensors)
     total = sum(t.numel for t in header.tensors)
     size = Path(output).stat().st_size if output != "-" else None
@@ -53,7 +54,7 @@ def make(
         out.json({"output": output, "patch_bytes": size, "bytes": size, "precision": header.precision, "elements": total,
                   "changed": changed, "base_digest": header.base_digest, "target_digest": header.target_digest,
                   "target_bytes": header.target_bytes, "files": [f.name for f in header.files],
-                  "not_carried": skipped, "looks_unrelated": unrelated is not None})
+                  "not_carried": skipped, "looks_unrelated": bool(unrelated)})
     elif size is not None:
         out.info(
             f"wrote {output}: {human_bytes(size)} for {changed:,} of {total:,} elements changed "

@@ -93,6 +93,7 @@ def make_patch(
     skipped: list[str] | None = None,
     force: bool = False,
     digest: str = DEFAULT_SCHEME.name,
+    unrelated: list[str] | None = None,
 ) -> PatchHeader:
     """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
 
@@ -106,7 +107,9 @@ def make_patch(
     out is appended to `skipped`. An existing `out` file is refused (OutputExistsError) unless `force`; a
     folder (or a name ending in '/') is refused whatever `force` (UsageError). `digest`: how
     tensors are hashed (FORMAT.md §3): "tree", the default, or "flat", which pulsediff before
-    format 1.4 reads too.
+    format 1.4 reads too. `unrelated`: where to append unrelated_reason's phrase when the pair
+    looks unrelated, found from the headers this make reads anyway (an 18k-tensor checkpoint's
+    header takes a quarter of a second to read).
     """
     from pulsediff.ops.inspect import digest_scheme
 
@@ -116,11 +119,13 @@ def make_patch(
     refuse_existing(out, force)
     if new is None:
         raise UsageError("NEW must be a checkpoint or a mapping of tensors")
-    with open_source(new) as new_ckpt:
+    with open_source(new) as new_ckpt, open_source(old) as old_ckpt:
         target = TargetSource.of_view(TensorView(new_ckpt, precision), skip_unsupported)
         if skipped is not None:
             skipped.extend(target.skipped)
-        return write_patch(old, target, out, codec=codec, device=device, progress=progress, scheme=scheme)
+        if unrelated is not None and (reason := _unrelated(old_ckpt, new_ckpt, precision)) is not None:
+            unrelated.append(reason)
+        return write_patch(old_ckpt, target, out, codec=codec, device=device, progress=progress, scheme=scheme)
 
 
 def _device_data_of(view: TensorView):
@@ -189,16 +194,21 @@ def unrelated_reason(old, new, precision: str = "exact") -> str | None:
     if old is None:
         return None
     with open_source(new) as new_ckpt, open_source(old) as old_ckpt:  # in make_patch's order: the same error first
-        if not old_ckpt.names:
-            return None
-        base, target = TensorView(old_ckpt, precision), TensorView(new_ckpt, precision)
-        total = shared = 0
-        for name in new_ckpt.names:
-            numel = new_ckpt.entry(name).numel
-            total += numel
-            if (name in old_ckpt and base.dtype_of(name) is target.dtype_of(name)
-                    and tuple(base.shape_of(name)) == tuple(target.shape_of(name))):
-                shared += numel
+        return _unrelated(old_ckpt, new_ckpt, precision)
+
+
+def _unrelated(old_ckpt: Checkpoint, new_ckpt: Checkpoint, precision: str) -> str | None:
+    """unrelated_reason of two open checkpoints."""
+    if not old_ckpt.names:
+        return None
+    base, target = TensorView(old_ckpt, precision), TensorView(new_ckpt, precision)
+    total = shared = 0
+    for name in new_ckpt.names:
+        numel = new_ckpt.entry(name).numel
+        total += numel
+        if (name in old_ckpt and base.dtype_of(name) is target.dtype_of(name)
+                and tuple(base.shape_of(name)) == tuple(target.shape_of(name))):
+            shared += numel
     if shared >= RELATED_SHARE * total:
         return None
     if shared == 0:
@@ -224,11 +234,12 @@ def check_choices(codec: str, precision: str) -> None:
         raise UsageError(f"unknown precision {precision!r}; choose exact or bf16")
 
 
-def write_patch(old: str | Path | None, target: TargetSource, out, *, codec: str, device: str | None,
+def write_patch(old: str | Path | Checkpoint | None, target: TargetSource, out, *, codec: str, device: str | None,
                 progress: Progress, scheme: DigestScheme = DEFAULT_SCHEME) -> PatchHeader:
-    """Diff checkpoint `old` (None: empty) against `target` and write the patch to `out`, its
-    tensors hashed under `scheme`."""
-    with open_source(old) as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
+    """Diff checkpoint `old` (None: empty; or one the caller opened, which this closes) against
+    `target` and write the patch to `out`, its tensors hashed under `scheme`."""
+    opened = old if isinstance(old, Checkpoint) else open_source(old)
+    with opened as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
         backend = _backend_for(device, scheme, [old_ckpt, *(target.inputs or ())])
         header = _diff(TensorView(old_ckpt, target.precision), target, codec, backend, spool, progress, scheme)
         inputs = [old_ckpt, *target.inputs] if target.inputs is not None else None
