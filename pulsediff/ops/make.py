@@ -514,6 +514,8 @@ class _ReadAhead:
             self._next, self._ahead = k + 1, 0
         else:
             self._ahead -= self._entries[k][1]
+            if self._ahead > READ_AHEAD_BYTES - READ_GROUP_BYTES:
+                return  # topped up once a group's worth is read: else each small tensor would be a task
         while self._next < len(self._entries) and self._ahead < READ_AHEAD_BYTES:
             names, nbytes = [], 0  # small tensors go a group to a task: a future each cost more than their read
             while self._next < len(self._entries) and self._ahead < READ_AHEAD_BYTES and nbytes < READ_GROUP_BYTES:
