@@ -179,3 +179,29 @@ def test_a_long_dense_chain_keeps_its_tensors_whole(tmp_path, monkeypatch):
     apply_chain(paths[0], patches, out, device="cpu")
     assert out.read_bytes() == paths[-1].read_bytes()
     assert seen and not any(isinstance(r, rebuild_mod.Windows) for r in seen)
+
+
+def test_batches_of_small_tensors_are_rebuilt_two_at_a_time(tmp_path, monkeypatch, fresh_pool):
+    """A batch of small ctx-rans tensors is one rebuild in flight, however many tensors it holds:
+    with two threads, the next batch starts while the first runs (counted per tensor, a batch of
+    many filled the queue and the batches ran one after the other)."""
+    monkeypatch.setenv("PULSEDIFF_THREADS", "2")
+    monkeypatch.setattr(ctx_rans_batch, "BATCH_ELEMENTS", 4 * 256)  # batches of four 256-element tensors
+    rng = np.random.default_rng(11)
+    old = {f"e{i:02d}": random_tensor(rng, "BF16", (16, 16)) for i in range(16)}
+    new = {k: mutate(rng, v, 0.05) for k, v in old.items()}
+    a, b = save(old, tmp_path / "a.safetensors"), save(new, tmp_path / "b.safetensors")
+    make_patch(a, b, tmp_path / "p.pulsediff")
+    both = threading.Barrier(2, timeout=20)  # broken (and the apply failing) if the second batch never starts
+    real, runs = apply_mod._BatchedRebuilds.run, []
+
+    def run(self):
+        runs.append(len(self.items))
+        if len(runs) <= 2:
+            both.wait()
+        return real(self)
+
+    monkeypatch.setattr(apply_mod._BatchedRebuilds, "run", run)
+    apply_patch(a, tmp_path / "p.pulsediff", tmp_path / "out.safetensors")
+    assert runs == [4, 4, 4, 4]
+    assert (tmp_path / "out.safetensors").read_bytes() == b.read_bytes()

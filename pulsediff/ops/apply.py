@@ -589,7 +589,11 @@ class _SideBySide:
 
         self._records, self._prepare, self._scratch, self._ahead = records, prepare, scratch, ahead
         self._next = 0  # the first record not prepared yet
-        self._queue = deque()  # (record, Future | Windows | Rebuild), in record order
+        self._queue = deque()  # (record, Future | Windows | Rebuild | _InBatch), in record order
+        # Queue entries past the first of each batch still queued: a batch is one rebuild in flight,
+        # however many records it holds (counted per record, a batch of 128 experts kept the next
+        # one from starting until the writer had taken nearly all of it: one worker busy at a time).
+        self._batched = 0
         self._free = deque(Scratch() for _ in range(ahead + 2))  # the writer returns them (deque: thread-safe)
 
     def take(self, rec: TensorRecord):
@@ -599,6 +603,8 @@ class _SideBySide:
         if not self._queue:
             self._prepare_next()
         queued, item = self._queue.popleft()
+        if isinstance(item, _InBatch) and not item.last:
+            self._batched -= 1
         if queued.name != rec.name:
             raise AssertionError(f"tensors taken out of order: {rec.name!r} asked, {queued.name!r} next")
         self._top_up()  # the next ones start before this one is waited for
@@ -654,11 +660,13 @@ class _SideBySide:
 
     def _queue_batch(self, batch: "_BatchedRebuilds", records: list, pool) -> None:
         future = pool().submit(batch.run)
-        self._queue.extend((rec, _InBatch(future, k)) for k, rec in enumerate(records))
+        last = len(records) - 1
+        self._queue.extend((rec, _InBatch(future, k, k == last)) for k, rec in enumerate(records))
+        self._batched += last
 
     def _top_up(self) -> None:
         # At most `ahead` prepared: each holds its sections in memory, and a Windows its patch's share.
-        while self._next < len(self._records) and len(self._queue) < self._ahead:
+        while self._next < len(self._records) and len(self._queue) - self._batched < self._ahead:
             self._prepare_next()
 
     def close(self) -> None:
@@ -689,6 +697,7 @@ class _InBatch:
 
     future: object
     index: int
+    last: bool  # the batch's last tensor
 
 
 class _BatchedRebuilds:
