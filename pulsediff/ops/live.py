@@ -883,6 +883,12 @@ def _side_by_side(views: LiveViews) -> bool:
         and cpu_backend().side_by_side() > 0 and not serial()
 
 
+# Units handed to the worker threads ahead of the oldest one still running, per thread: with one,
+# a thread that finished a small unit waited idle until the oldest (a large tensor's walk) was
+# done, since results are taken in order.
+UNITS_PER_THREAD = 2
+
+
 def _placed_side_by_side(units, place, undo):
     """The placements of each unit (_run_unit's), in order, the unit (a batch, or
     one section placed alone by `place`) run on the worker threads, as many at once as there are
@@ -898,7 +904,7 @@ def _placed_side_by_side(units, place, undo):
     try:
         for unit in units:
             running.append(pool().submit(_run_unit, unit, place, Scratch(), True))
-            if len(running) >= num_threads():
+            if len(running) >= UNITS_PER_THREAD * num_threads():
                 yield _settled_first(running, undo)
         while running:
             yield _settled_first(running, undo)
