@@ -566,6 +566,9 @@ def _seekable(stream) -> bool:
 # its own (up to one window of output, and its decoded entries) until written, so memory stays
 # bounded (worst case about 10 x 136 MiB: F64 windows with every element changed; 2% BF16: 170 MiB).
 MAX_SIDE_BY_SIDE = 8
+# Rebuilds started ahead per worker thread: with one, a thread that finished a small tensor waited
+# for the oldest (taken in order) before the next could start.
+AHEAD_PER_THREAD = 2
 
 
 class _SideBySide:
@@ -792,7 +795,7 @@ def _write_target(header: PatchHeader, target: _TargetFiles, target_bits, files:
     rebuilt: list[TensorId] = []
     writer = _PipelinedWriter()  # tensor data goes out while the next is rebuilt
     tensors = _SideBySide([rec for _, _, records in target.files for rec in records], target_bits, scratch,
-                          min(backend.side_by_side(), MAX_SIDE_BY_SIDE))
+                          min(AHEAD_PER_THREAD * backend.side_by_side(), MAX_SIDE_BY_SIDE))
     with StagedFiles(inputs) as staged:  # the base: the one mapped input the output is made from
         if target.kind == "dir" and not out_path.exists():
             staged.new_folder(out_path)
