@@ -374,6 +374,7 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
             raise BaseMismatchError(header.base_digest, digest, "the live tensors are not the patch's base")
         # (the tensor hashes make up the target digest: PatchHeader.from_json refuses a header where not)
         backend = get_backend(device)  # the rebuild runs on host copies
+        host_kernels = _kernels_for(np.empty(0))
         scratch = Scratch()
         # Decode and check every tensor first, keeping only its changes; write nothing yet.
         changes: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -389,8 +390,10 @@ def _apply_one(tensors: MutableMapping, patch, device, check, undo, known, expec
                 continue
             batches.finish()  # earlier tensors are checked first: the first failure is the one raised
             new = rebuild_tensor(rec, payload, base if rec.op == "patch" else None, backend, reader.source, scratch)
-            positions = np.flatnonzero(new != base)
-            changes.append((rec.name, positions, new[positions].copy(), base[positions].copy()))
+            # One read of the pair across the threads (`new != base` and flatnonzero took two, and
+            # a bool array of the tensor's size: 0.7 s of a 1.7 s apply into the 1 GB Qwen2 shape).
+            positions, values = host_kernels.diff_compact(base, new)
+            changes.append((rec.name, positions, values, base[positions]))
         batches.finish()
         for f in header.files:  # a model folder's config and tokenizer: checked, not used here
             if f.section is not None:

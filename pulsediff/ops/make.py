@@ -119,13 +119,15 @@ def make_patch(
     refuse_existing(out, force)
     if new is None:
         raise UsageError("NEW must be a checkpoint or a mapping of tensors")
-    with open_source(new) as new_ckpt, open_source(old) as old_ckpt:
+    with open_source(new) as new_ckpt:
         target = TargetSource.of_view(TensorView(new_ckpt, precision), skip_unsupported)
         if skipped is not None:
             skipped.extend(target.skipped)
-        if unrelated is not None and (reason := _unrelated(old_ckpt, new_ckpt, precision)) is not None:
-            unrelated.append(reason)
-        return write_patch(old_ckpt, target, out, codec=codec, device=device, progress=progress, scheme=scheme)
+        with open_source(old) as old_ckpt:  # after NEW's folder is read, as before: the same error first
+            if unrelated is not None and (reason := _unrelated(old_ckpt, new_ckpt, precision)) is not None:
+                unrelated.append(reason)
+            return write_patch(old_ckpt, target, out, codec=codec, device=device, progress=progress,
+                               scheme=scheme)
 
 
 def _device_data_of(view: TensorView):
