@@ -224,14 +224,15 @@ def quantise_frequencies_ref(counts: np.ndarray) -> np.ndarray:
 def encode_ranked_ref(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, bits: int) -> tuple[bytes, ...]:
     """ctx-rans's section parts (class table, positions, frequencies, values, escapes) as first
     written, a NumPy call or a bytearray step at a time: the oracle of ctx_rans.encode_section."""
-    from pulsediff.codecs.ctx_rans import _MAX_Q_BITS, _put_varint, class_major, rice_parameters
+    from pulsediff.codecs.ctx_rans import _put_varint
     from pulsediff.kernels import entropy
+    from pulsediff.kernels.ctx_rans_sections import MAX_Q_BITS, class_major, rice_parameters
 
     count = classes.size
     counts, values, symbols, symbol_counts, escapes = class_major(classes, ranks, zigzag, 1 << bits, entropy.ESCAPE)
     listed = np.flatnonzero(counts)
     counts = counts[listed]
-    ks, rice_bits = rice_parameters(values, counts, _MAX_Q_BITS)
+    ks, rice_bits = rice_parameters(values, counts, MAX_Q_BITS)
     table = bytearray()
     _put_varint(table, int(listed.size))
     for cls, n, k in zip(listed.tolist(), counts.tolist(), ks.tolist()):

@@ -251,7 +251,8 @@ def test_diff_ranks_refuses_mismatched_inputs():
 
 def ctx_rans_section_ref(base: np.ndarray, target: np.ndarray, dtype) -> bytes:
     """A ctx-rans section written from FORMAT.md's description, element by element in plain Python."""
-    from pulsediff.codecs.ctx_rans import _MAX_Q_BITS, class_field
+    from pulsediff.codecs.ctx_rans import class_field
+    from pulsediff.kernels.ctx_rans_sections import MAX_Q_BITS
 
     shift, bits = class_field(dtype.name)
     mask = (1 << bits) - 1
@@ -274,7 +275,7 @@ def ctx_rans_section_ref(base: np.ndarray, target: np.ndarray, dtype) -> bytes:
         cost = lambda k: sum(g >> k for g in gaps) + len(gaps) * (k + 1)  # noqa: E731
         guess = max(0, int(np.log2(float(sum(gaps)) / len(gaps) + 1.0)))
         k = min((k for k in (guess - 1, guess, guess + 1) if 0 <= k <= 62), key=lambda k: (cost(k), k))
-        k = max(k, max(gaps).bit_length() - _MAX_Q_BITS)
+        k = max(k, max(gaps).bit_length() - MAX_Q_BITS)
         table += varint(c) + varint(len(gaps)) + bytes([k])
         rice_values += gaps
         rice_ks += [k] * len(gaps)

@@ -28,9 +28,9 @@ import numpy as np
 from pulsediff.errors import CorruptPatchError
 from pulsediff.codecs import adaptive
 from pulsediff.kernels import entropy
+from pulsediff.kernels.ctx_rans_sections import class_major, rice_parameters
 from pulsediff.codecs.base import Encoded, SectionContext, parse_uint
-from pulsediff.codecs.ctx_rans import (CtxRans, class_major, Entries, rice_parameters, values_executor,
-                                       class_params)
+from pulsediff.codecs.ctx_rans import CtxRans, Entries, values_executor, class_params
 
 
 def _position_part(listed, counts, ks, gaps) -> bytes:

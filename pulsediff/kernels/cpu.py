@@ -281,7 +281,7 @@ def class_ranks(base: np.ndarray, shift: int, mask: int, positions: np.ndarray) 
 
 
 @njit(cache=True, nogil=True)
-def _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist):
+def diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist):
     # Compare, class histogram and class ranks in one read of the pair. Writes
     # at most zigzag.size entries and counts them all (like _compact_range).
     # Four lanes of counters (element i counts in lane i % 4): neighbouring
@@ -388,7 +388,7 @@ def _joined_ranks(parts: list, hist: np.ndarray, dtype) -> tuple[np.ndarray, np.
 
 
 def _diff_ranks_chunk(old, new, lo, hi, shift, mask, hist):
-    return _ranked_entries(hi - lo, old.dtype, lambda zigzag, classes, ranks: _diff_ranks_range(
+    return _ranked_entries(hi - lo, old.dtype, lambda zigzag, classes, ranks: diff_ranks_range(
         old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist))
 
 
@@ -427,7 +427,7 @@ _SAME_BLOCK = 256
 
 
 @njit(cache=True, nogil=True)
-def _same_range(old, new, lo, hi):
+def same_range(old, new, lo, hi):
     # Blocks without an early exit inside, so that LLVM vectorises the compare; a changed
     # range is found at its first changed block (at 1% density, within the first few).
     i = lo
@@ -448,13 +448,13 @@ def _same_range(old, new, lo, hi):
 def _checked_diff_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist,
                         old_words, new_words, wlo, whi, sums):
     # Both sides' word-sum terms for words [wlo, whi), then the compare and ranks of elements
-    # [lo, hi) (as _diff_ranks_range); -1, and no histogram, for a range without a change:
+    # [lo, hi) (as diff_ranks_range); -1, and no histogram, for a range without a change:
     # an unchanged tensor needs none, and a changed one counts such ranges afterwards.
     sums[0] = word_sum_range(old_words, wlo, whi)
     sums[1] = word_sum_range(new_words, wlo, whi)
-    if _same_range(old, new, lo, hi):
+    if same_range(old, new, lo, hi):
         return -1
-    return _diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist)
+    return diff_ranks_range(old, new, lo, hi, shift, mask, zigzag, classes, ranks, hist)
 
 
 def _checked_ranges(n: int, itemsize: int) -> list[tuple[int, int]]:

@@ -29,9 +29,9 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pulsediff.codecs.ctx_rans import encode_section
 from pulsediff.kernels import entropy
-from pulsediff.kernels.cpu import _diff_ranks_range, _same_range, locate_whole, word_sum_range, word_term_at
+from pulsediff.kernels.cpu import diff_ranks_range, locate_whole, same_range, word_sum_range, word_term_at
+from pulsediff.kernels.ctx_rans_sections import encode_section
 
 # Columns of a batch's int64 `meta` table, one row per section (all checked by the caller
 # against the section's length and its tensor, as ctx_rans._split checks them).
@@ -293,11 +293,11 @@ def diff_encode_batch(old_addresses, new_addresses, numels, like, shift, bits, m
         row[R_SECTION] = -1
         old = carray(_pointer(old_addresses[t]), n, like.dtype)
         new = carray(_pointer(new_addresses[t]), n, like.dtype)
-        if _same_range(old, new, 0, n):
+        if same_range(old, new, 0, n):
             row[R_CHANGED] = 0
             continue
         room = min(n, max_changed[t] + 1)
-        k = _diff_ranks_range(old, new, 0, n, shift, mask, zigzag[:room], classes[:room], ranks[:room], hist)
+        k = diff_ranks_range(old, new, 0, n, shift, mask, zigzag[:room], classes[:room], ranks[:room], hist)
         row[R_CHANGED] = k
         if k == 0 or k > max_changed[t]:
             continue
