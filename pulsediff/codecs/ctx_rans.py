@@ -288,15 +288,23 @@ class CtxRans(Codec):
 def _encode_ranked(classes: np.ndarray, ranks: np.ndarray, zigzag: np.ndarray, shift: int, bits: int) -> Encoded:
     """The section for changed elements given (in position order) by class, rank in class and zigzag delta."""
     out, end, *lengths, escapes = encode_section(classes, ranks, zigzag, bits, np.empty(0, np.uint8), 0)
-    data = out[:end].tobytes()
-    cuts = np.cumsum([0, *lengths, end - sum(lengths)]).tolist()
-    parts = tuple(data[a:b] for a, b in zip(cuts, cuts[1:]))
+    return encoded_at(out[:end].tobytes(), 0, int(classes.size), shift, bits, lengths, escapes, zigzag.itemsize)
+
+
+def encoded_at(data, at: int, count: int, shift: int, bits: int, lengths, escapes: int, width: int) -> Encoded:
+    """The section that encode_section wrote at data[at:] (bytes or a memoryview), given its
+    table, position, frequency and value byte counts (`lengths`) and its escapes, as an Encoded:
+    its parts slices of `data`, its params those this codec records."""
+    parts = []
+    for n in (*lengths, escapes * width):
+        parts.append(data[at:at + n])
+        at += n
     params = {
-        "count": int(classes.size), "class_shift": shift, "class_bits": bits,
+        "count": count, "class_shift": shift, "class_bits": bits,
         "table_bytes": lengths[0], "position_bytes": lengths[1],
-        "frequency_bytes": lengths[2], "value_bytes": lengths[3], "escapes": int(escapes),
+        "frequency_bytes": lengths[2], "value_bytes": lengths[3], "escapes": escapes,
     }
-    return Encoded(parts, params, index_bytes=lengths[0] + lengths[1])
+    return Encoded(tuple(parts), params, index_bytes=lengths[0] + lengths[1])
 
 
 class _OwnBuffers(Scratch):

@@ -598,8 +598,7 @@ def _encode_pairs(pairs: list, scheme: DigestScheme) -> list:
     """_check_and_encode's result for each (target, base) pair of a _PairBatch, in one kernel call."""
     import numpy as np
 
-    from pulsediff.codecs.ctx_rans import class_field
-    from pulsediff.codecs.base import Encoded
+    from pulsediff.codecs.ctx_rans import class_field, encoded_at
     from pulsediff.kernels import cpu_batch as kb
 
     tgt0 = pairs[0][0]
@@ -625,18 +624,9 @@ def _encode_pairs(pairs: list, scheme: DigestScheme) -> list:
         if at < 0:  # denser than a sparse section pays for: carried whole, as _max_changed says
             results.append((checks, "diff", (changed, None)))
             continue
-        lengths = (row[kb.R_TABLE], row[kb.R_POSITIONS], row[kb.R_FREQUENCIES], row[kb.R_VALUES],
-                   row[kb.R_ESCAPES] * news[0].itemsize)
-        parts = []
-        for n in lengths:
-            parts.append(data[at:at + n])
-            at += n
-        params = {
-            "count": changed, "class_shift": shift, "class_bits": bits,
-            "table_bytes": lengths[0], "position_bytes": lengths[1],
-            "frequency_bytes": lengths[2], "value_bytes": lengths[3], "escapes": row[kb.R_ESCAPES],
-        }
-        results.append((checks, "diff", (changed, Encoded(tuple(parts), params, lengths[0] + lengths[1]))))
+        lengths = (row[kb.R_TABLE], row[kb.R_POSITIONS], row[kb.R_FREQUENCIES], row[kb.R_VALUES])
+        results.append((checks, "diff", (changed, encoded_at(data, at, changed, shift, bits, lengths,
+                                                             row[kb.R_ESCAPES], news[0].itemsize))))
     return results
 
 
