@@ -1,5 +1,5 @@
 """make's batched path for small tensors (ops/make.py _PairBatch, kernels/cpu_batch.diff_encode_batch)
-and the one-call section coder under both paths (codecs/ctx_rans.encode_section): the same patch,
+and the one-call section coder under both paths (kernels/ctx_rans_sections.encode_section): the same patch,
 byte for byte, as the per-tensor path, on every kind of pair a checkpoint holds."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_batched_make_writes_the_per_tensor_paths_bytes(tmp_path, monkeypatch, p
     batched = make_patch_bytes(a, b, precision=precision, digest=digest)
     runs = []
     real = make_module._encode_pairs
-    monkeypatch.setattr(make_module, "_encode_pairs", lambda pairs, scheme: runs.append(len(pairs)) or real(pairs, scheme))
+    monkeypatch.setattr(make_module, "_encode_pairs", lambda pairs, *rest: runs.append(len(pairs)) or real(pairs, *rest))
     assert make_patch_bytes(a, b, precision=precision, digest=digest) == batched
     assert sum(runs) >= 20 and max(runs) >= 12  # the small tensors did go in batches
     monkeypatch.setattr(make_module._PairBatch, "MAX_BYTES", 0)  # nothing batched: the per-tensor path
@@ -111,9 +111,30 @@ def test_a_batch_closes_when_full_and_on_a_dtype_change(tmp_path, monkeypatch):
     a, b = save(old, tmp_path / "a.safetensors"), save(new, tmp_path / "b.safetensors")
     runs = []
     real = make_module._encode_pairs
-    monkeypatch.setattr(make_module, "_encode_pairs", lambda pairs, scheme: runs.append(len(pairs)) or real(pairs, scheme))
+    monkeypatch.setattr(make_module, "_encode_pairs", lambda pairs, *rest: runs.append(len(pairs)) or real(pairs, *rest))
     monkeypatch.setattr(make_module._PairBatch, "FULL_BYTES", 4 * 128)  # four BF16 tensors of 64
     patch = make_patch_bytes(a, b)
     assert sorted(runs) == [2, 2, 2, 4, 4]  # the F32 tensors (256 bytes each) fill a batch at two
     monkeypatch.setattr(make_module._PairBatch, "MAX_BYTES", 0)
     assert make_patch_bytes(a, b) == patch
+
+
+def test_a_batch_grows_its_section_buffer_and_hashes_tensors_of_several_chunks(tmp_path, monkeypatch):
+    """Sections that outgrow the batch's first buffer (grown mid-batch, earlier sections kept) and
+    tensors over one tree-hash chunk (256 KiB): still the per-tensor path's bytes."""
+    rng = np.random.default_rng(5)
+    old = {f"block.{i}": random_tensor(rng, "BF16", (512, 512)) for i in range(6)}  # 512 KiB each, one batch
+    old.update({f"small.{i}": random_tensor(rng, "BF16", (8, 8)) for i in range(3)})
+    new = {}
+    for name, t in old.items():
+        raw = t.reshape(-1).view(torch.uint8).numpy().view(np.uint16)
+        new[name] = torch.from_numpy(_stepped(rng, raw, 0.05, 0.02)).view(torch.bfloat16).reshape(t.shape)
+    a, b = save(old, tmp_path / "a.safetensors"), save(new, tmp_path / "b.safetensors")
+    runs = []
+    real = make_module._encode_pairs
+    monkeypatch.setattr(make_module, "_encode_pairs", lambda pairs, *rest: runs.append(len(pairs)) or real(pairs, *rest))
+    monkeypatch.setattr(make_module._PairBatch, "FIRST_OUT_BYTES", 64)
+    batched = make_patch_bytes(a, b)
+    assert max(runs) >= 6
+    monkeypatch.setattr(make_module._PairBatch, "MAX_BYTES", 0)
+    assert make_patch_bytes(a, b) == batched

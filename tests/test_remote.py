@@ -698,7 +698,10 @@ def test_publish_rerun_after_a_kill_reuses_identical_objects(train, published, s
     left = staging / f".anchor-00000000.pulsediff.{_HOST}-999999999.staged{TMP_SUFFIX}"  # a SIGKILLed publish's
     left.write_bytes(b"half an anchor")
     report = publish_once(train, f"s3://bucket/{prefix}", anchor_every=3, settle=0)
-    assert not left.exists() and not any(p.name.endswith(TMP_SUFFIX) for p in staging.iterdir())
+    # The staging folder is shared with every publish on this machine (another xdist worker's may be
+    # under way): this run's own temporaries, tagged with its host and process, must be gone.
+    mine = f".{_HOST}-{os.getpid()}."
+    assert not left.exists() and not any(p.name.endswith(TMP_SUFFIX) and mine in p.name for p in staging.iterdir())
     assert report.patches + report.anchors == len(Manifest.load(published).entries)
     again, first = Manifest.load(published.parent / prefix).to_json(), Manifest.load(published).to_json()
     assert again.pop("series") != first.pop("series") and again == first  # a new series: the same files, its own id

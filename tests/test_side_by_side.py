@@ -186,6 +186,7 @@ def test_batches_of_small_tensors_are_rebuilt_two_at_a_time(tmp_path, monkeypatc
     with two threads, the next batch starts while the first runs (counted per tensor, a batch of
     many filled the queue and the batches ran one after the other)."""
     monkeypatch.setenv("PULSEDIFF_THREADS", "2")
+    monkeypatch.setattr(apply_mod, "AHEAD_PER_THREAD", 1)  # two ahead: fewer than a batch's four tensors
     monkeypatch.setattr(ctx_rans_batch, "BATCH_ELEMENTS", 4 * 256)  # batches of four 256-element tensors
     rng = np.random.default_rng(11)
     old = {f"e{i:02d}": random_tensor(rng, "BF16", (16, 16)) for i in range(16)}

@@ -20,7 +20,7 @@ import errno
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +65,7 @@ class ShardFile:
     _guard: int | None = None  # its slot in pulsediff.io.mapped while the map is open
     # The whole map as one array, sliced for each tensor: np.frombuffer per tensor took 8 us, a
     # quarter of a second per 18k-tensor checkpoint. Dropped before the map closes.
-    _bytes: np.ndarray | None = None
+    _bytes: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def tensor_bytes(self, entry: TensorEntry, populate: bool = True) -> np.ndarray:
         """Zero-copy uint8 view of one tensor's bytes, its pages mapped in one call first

@@ -1,8 +1,8 @@
 """ctx-rans's section coder as kernels: the regrouping of changed elements by class
 (class_major), the Rice parameters of their rank gaps (rice_parameters) and a whole section's
-bytes in one call (encode_section). codecs/ctx_rans.py, which specifies the section (its
-docstring), re-exports them; kernels/cpu_batch.py's batched make calls encode_section from its
-own kernel, which is why they live below the codecs."""
+bytes in one call (encode_section). codecs/ctx_rans.py specifies the section (its docstring) and
+codes with encode_section, codecs/ctx_ac.py with the first two; kernels/cpu_batch.py's batched
+make calls encode_section from its own kernel, which is why they live below the codecs."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def _put_varint_at(out, pos, value):
 
 @njit(cache=True, nogil=True)
 def encode_section(classes, ranks, zigzag, bits, out, at):
-    """A section's bytes (the layout in this module's docstring) for changed elements given in
+    """A section's bytes (the layout in codecs/ctx_rans.py's docstring) for changed elements given in
     position order by class, rank in class and zigzag delta, written into out[at:]; `out` is
     replaced by a larger copy when short. Returns (out, end, table, position, frequency and
     value bytes, escapes). All in one call: the varints and tables cost a make of many small

@@ -687,6 +687,7 @@ class _SideBySide:
             except BaseException:  # noqa: BLE001 - even a second Ctrl-C waits: the base unmaps next
                 pass
         self._queue.clear()
+        self._batched = 0
 
 
 def _nothing() -> None:

@@ -558,6 +558,8 @@ class _PairBatch:
     # A batch is handed over once its pairs hold this many bytes a side: large enough that the
     # call's set-up is noise, small enough that both encoding threads get batches to code.
     FULL_BYTES = 4 << 20
+    # The sections' first buffer; the kernel grows it (doubling) when the sections need more.
+    FIRST_OUT_BYTES = 1 << 16
 
     def __init__(self, scheme: DigestScheme, enabled: bool):
         self._scheme, self._enabled = scheme, enabled
@@ -572,6 +574,7 @@ class _PairBatch:
     def takes(self, tgt: TensorData, base: TensorData | None) -> bool:
         """Whether the pair may join (it may start a new batch once this one is handed over)."""
         return (self._enabled and base is not None and base.dtype is tgt.dtype and base.shape == tgt.shape
+                and base.bits.size == tgt.bits.size and base.bits.dtype == tgt.bits.dtype  # the kernel reads both
                 and 0 < tgt.bits.nbytes <= self.MAX_BYTES and tgt.bits.dtype.itemsize in (1, 2, 4, 8)
                 and (self._key is None or self._key == (tgt.dtype, tgt.bits.dtype)))
 
@@ -590,11 +593,11 @@ class _PairBatch:
             return []
         pairs, records_of, nbytes = self._pairs, self._records_of, 2 * self._bytes
         self._clear()
-        return encoder.submit_many(partial(_encode_pairs, pairs, self._scheme),
+        return encoder.submit_many(partial(_encode_pairs, pairs, self._scheme, self.FIRST_OUT_BYTES),
                                    lambda results: [f(r) for f, r in zip(records_of, results)], nbytes)
 
 
-def _encode_pairs(pairs: list, scheme: DigestScheme) -> list:
+def _encode_pairs(pairs: list, scheme: DigestScheme, first_out: int) -> list:
     """_check_and_encode's result for each (target, base) pair of a _PairBatch, in one kernel call."""
     import numpy as np
 
@@ -611,7 +614,7 @@ def _encode_pairs(pairs: list, scheme: DigestScheme) -> list:
                                np.array([n.__array_interface__["data"][0] for n in news], np.int64),
                                np.array([n.size for n in news], np.int64), np.empty(0, news[0].dtype), shift, bits,
                                np.array([_max_changed(t) for t, _ in pairs], np.int64), rows,
-                               np.empty(1 << 16, np.uint8))
+                               np.empty(first_out, np.uint8))
     data = memoryview(out)
     results = []
     for (tgt_hash, base_hash), row in zip(hashes, rows.tolist()):
