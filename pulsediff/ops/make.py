@@ -608,7 +608,8 @@ def _encode_pairs(pairs: list, scheme: DigestScheme, first_out: int) -> list:
     shift, bits = class_field(tgt0.dtype.name)
     news = [np.ascontiguousarray(t.bits).reshape(-1) for t, _ in pairs]  # held until the call returns
     olds = [np.ascontiguousarray(b.bits).reshape(-1) for _, b in pairs]
-    hashes = [(scheme.tensor_hash(n), scheme.tensor_hash(o)) for n, o in zip(news, olds)]
+    with inline():  # on this encoding thread, as _check_and_encode hashes a small tensor
+        hashes = [(scheme.tensor_hash(n), scheme.tensor_hash(o)) for n, o in zip(news, olds)]
     rows = np.empty((len(pairs), kb.ROW_COLUMNS), np.int64)
     out = kb.diff_encode_batch(np.array([o.__array_interface__["data"][0] for o in olds], np.int64),
                                np.array([n.__array_interface__["data"][0] for n in news], np.int64),
