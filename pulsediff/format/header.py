@@ -15,6 +15,7 @@ from pulsediff.io.names import PRECISIONS, is_plain_filename
 from pulsediff.codecs.facts import FACTS, facts_of
 from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, is_digest, is_tensor_hash, is_word_sum, scheme_of, unknown_scheme
 from pulsediff.io.dtypes import DTYPES, DType, lookup
+from pulsediff.io.fast_entries import built, elements
 from pulsediff.errors import CorruptPatchError, UnknownSchemeError
 from pulsediff.io.folder_files import MAX_FILE_BYTES, MAX_FILES, is_carried_name
 from pulsediff.format.container import MAX_NAME_BYTES, MAX_NDIM, MAX_SECTION_BYTES, MAX_TENSORS, SectionRef
@@ -385,28 +386,6 @@ class _Parser:
 
 # -- the common case at the speed of the JSON parse -----------------------------------------
 
-_new = object.__new__
-_set = object.__setattr__
-
-
-def _built(cls, fields: dict):
-    """A frozen dataclass built without its __init__ (which sets each field through
-    object.__setattr__: 2 us of a header's ~10 us per entry); the same fields, the same object."""
-    obj = _new(cls)
-    _set(obj, "__dict__", fields)
-    return obj
-
-
-def _elements(shape: list) -> int:
-    """The element count of a shape whose dimensions are ints in [0, 2**63), else -1."""
-    numel = 1
-    for d in shape:
-        if type(d) is not int or not 0 <= d < 2**63:
-            return -1
-        numel *= d
-    return numel
-
-
 def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
     """A tensor entry as `_Parser.tensor` reads it, by the same checks written for speed (a header of
     18k expert tensors is read on every apply), or None for anything out of the ordinary, which
@@ -425,7 +404,7 @@ def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
     dtype = DTYPES.get(dtype)
     if dtype is None or len(shape) > MAX_NDIM:
         return None
-    numel = _elements(shape)
+    numel = elements(shape)
     if numel < 0 or numel * dtype.itemsize > MAX_SECTION_BYTES or not 0 <= changed <= numel:
         return None
     hexes = target_hash
@@ -467,10 +446,10 @@ def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
                 or not 0 <= facts.index_bytes(params) <= length:
             return None
         hexes += checksum
-        ref = _built(SectionRef, {"offset": offset, "length": length, "checksum": checksum, "codec": codec,
-                                  "params": params})
+        ref = built(SectionRef, {"offset": offset, "length": length, "checksum": checksum, "codec": codec,
+                                 "params": params})
     if _LOWER_HEX.fullmatch(hexes) is None:
         return None
-    return _built(TensorRecord, {"name": name, "dtype": dtype, "shape": tuple(shape), "op": op, "changed": changed,
-                                 "target_hash": target_hash, "base_hash": base_hash, "section": ref,
+    return built(TensorRecord, {"name": name, "dtype": dtype, "shape": tuple(shape), "op": op, "changed": changed,
+                                "target_hash": target_hash, "base_hash": base_hash, "section": ref,
                                  "target_sum": target_sum, "base_sum": base_sum, "scheme": scheme})

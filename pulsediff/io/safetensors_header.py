@@ -18,6 +18,7 @@ from operator import attrgetter
 
 from pulsediff.io import strict_json
 from pulsediff.io.dtypes import DType, lookup
+from pulsediff.io.fast_entries import built, elements
 
 # safetensors caps the header at 100 MB; a larger length field is refused
 # before anything is allocated.
@@ -140,10 +141,6 @@ def _entry(name: str, info: object) -> TensorEntry:
     return entry
 
 
-_new = object.__new__
-_set = object.__setattr__
-
-
 def _entry_checked(name: str, info: object) -> TensorEntry | None:
     """_entry's result by the same checks written for speed (a checkpoint of 18k expert tensors is
     opened by every make and apply), or None for anything out of the ordinary, which _entry then
@@ -158,16 +155,10 @@ def _entry_checked(name: str, info: object) -> TensorEntry | None:
     begin, end = offsets
     if type(begin) is not int or type(end) is not int or not 0 <= begin <= end < 2**63:
         return None
-    numel = 1
-    for d in shape:
-        if type(d) is not int or not 0 <= d < 2**63:
-            return None
-        numel *= d
-    if numel * dtype.itemsize != end - begin:
+    numel = elements(shape)
+    if numel < 0 or numel * dtype.itemsize != end - begin:
         return None
-    entry = _new(TensorEntry)  # without the frozen dataclass's __init__: the same fields, the same object
-    _set(entry, "__dict__", {"name": name, "dtype": dtype, "shape": tuple(shape), "begin": begin, "end": end})
-    return entry
+    return built(TensorEntry, {"name": name, "dtype": dtype, "shape": tuple(shape), "begin": begin, "end": end})
 
 
 def _is_uint(x: object) -> bool:

@@ -271,7 +271,7 @@ def diff_encode_batch(old_addresses, new_addresses, numels, like, shift, bits, m
     `like`'s dtype), what make's per-tensor path finds in its read of a pair
     (kernels.cpu.diff_ranks_checked, then ctx-rans's coding), on this thread alone: both word sums,
     the changed elements' count and, when there are from 1 to max_changed[t] of them, their
-    ctx-rans section (ctx_rans.encode_section) appended to `out`. Fills `rows` (columns R_*;
+    ctx-rans section (ctx_rans_sections.encode_section) appended to `out`. Fills `rows` (columns R_*;
     R_SECTION is the section's start in `out`, -1 for none) and returns `out`, replaced by a larger
     copy when it was short. Bytes moved: each pair read once (from cache for the sums, which
     come first) and the sections written."""

@@ -346,8 +346,10 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
             ahead.reached(k)
             tgt = get_target(name)
             base = get_base(name) if name in old.ckpt else None
-            if not batch.takes(tgt, base):  # the batch's sections come first
+            joins = batch.takes(tgt, base)
+            if not joins:  # the batch's sections come first; a pair of another dtype starts the next batch
                 records.extend(batch.submit(encoder))
+                joins = batch.takes(tgt, base)
             if base is None:  # no base tensor of that name: carried whole
                 tgt_hash, tgt_sum = scheme.checks(tgt.bits, backend)
                 records.extend(encoder.finish())  # its section comes first
@@ -356,7 +358,7 @@ def _diff(old: TensorView, target: TargetSource, codec_id: str, backend, spool, 
                                             section=write_section(enc.parts, full.id, enc.params),
                                             target_sum=tgt_sum, scheme=scheme))
                 release(name)
-            elif batch.takes(tgt, base):
+            elif joins:
                 batch.add(tgt, base, partial(record_of, tgt, base))
                 if batch.full():
                     records.extend(batch.submit(encoder))
