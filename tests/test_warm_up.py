@@ -25,6 +25,7 @@ def test_after_warm_up_a_first_apply_loads_no_kernel():
             return out
 
         warm_up([torch.bfloat16, torch.float32, torch.float16])
+        assert "pulsediff.ops.make" not in sys.modules  # stored patches: make's kernels are not loaded
         before = loaded()
         assert before["pulsediff.kernels.cpu_batch.apply_batch"] >= 2, before
         rng = np.random.default_rng(0)
@@ -48,3 +49,16 @@ def test_after_warm_up_a_first_apply_loads_no_kernel():
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_the_stored_warm_up_patches_are_what_make_writes_today():
+    """Run scripts/make_warm_patches.py where this fails: the warm-up must load the kernels that today's
+    patches need."""
+    from importlib import resources
+
+    from pulsediff.ops.make import make_patch_bytes
+    from pulsediff.ops.warm import WIDTHS, warm_pair, warm_patch_name
+
+    stored = resources.files("pulsediff.ops") / "warm_patches"
+    for width in WIDTHS:
+        assert (stored / warm_patch_name(width)).read_bytes() == make_patch_bytes(*warm_pair(width)), width
