@@ -52,6 +52,44 @@ def test_refusal_rules():
     assert "some to prepare an update, others to take one" in refusal(ok1, [p0, ok1], then)
 
 
+def test_ranks_that_share_a_host_state_take_their_owners_verdict():
+    from dataclasses import replace
+
+    then = "so no rank took the update"
+    asked1, asked2 = (b"1" * 16, "step 1 of /s"), (b"2" * 16, "step 2 of /s")
+    owner = Outcome(0, True, D1, state=7, applied=True, prepared=True, pid=4321, changes_fd=9, request=asked1[0],
+                    asked=asked1[1])
+    follower = Outcome(1, True, "", state=7, follows=True, request=asked1[0], asked=asked1[1])
+    assert Outcome.decode(owner.encode()) == owner and Outcome.decode(follower.encode()) == follower
+    assert refusal(follower, [owner, follower], then) is None and refusal(owner, [owner, follower], then) is None
+    # A follower counts as having reached its owner's target: a private rank at another one differs.
+    says = refusal(follower, [owner, follower, Outcome(2, True, D2)], then)
+    assert "different checkpoints" in says and D1 in says and D2 in says
+    assert refusal(follower, [owner, follower, Outcome(2, True, D1)], then) is None
+    # Asked another update than its owner: refused on every rank, both requests named.
+    other = replace(follower, request=asked2[0], asked=asked2[1])
+    for mine in (owner, other):
+        says = refusal(mine, [owner, other], then)
+        assert says == f"the engine's ranks were asked different updates (rank 0: {asked1[1]}; rank 1: {asked2[1]}), {then}"
+    # Its owner failed: named as that rank's failure.
+    failed = Outcome(0, False, "", "download failed", state=7, request=asked1[0], asked=asked1[1])
+    assert refusal(follower, [failed, follower], then) == f"rank 0 of this engine failed (download failed), {then}"
+    # A state no rank of the engine owns (two engines met at one rendezvous): refused, never followed.
+    stray = replace(follower, state=8)
+    assert "no rank of this engine holds" in refusal(owner, [owner, stray], then)
+    assert "no rank of this engine holds" in refusal(stray, [owner, stray], then)
+    # A follower's own failure (a malformed request) is its own line, and the owner's is named to it.
+    own = Outcome(1, False, "", "'source' must be a string", state=7, follows=True)
+    assert refusal(own, [owner, own], then) == "'source' must be a string"
+    assert refusal(owner, [owner, own], then).startswith("rank 1 of this engine failed ('source' must be")
+    # Preparations: a follower asked to prepare reports PREPARE; a mix with an update is refused.
+    p0, p1 = replace(owner, digest=PREPARE), replace(follower, digest=PREPARE)
+    assert refusal(p1, [p0, p1], then) is None
+    assert "some to prepare an update" in refusal(p0, [p0, follower], then)
+    # agree() hands a follower its owner's record (what it reached, where its changes are).
+    assert agree(follower, []).owner is None  # alone: no owner among the outcomes
+
+
 def test_one_rank_alone_decides_and_reports_for_itself():
     assert agree(Outcome(0, True, D1), []) == Verdict(None, True)
     assert agree(Outcome(0, False, "", "bad"), []) == Verdict("bad", True)
@@ -74,9 +112,11 @@ pp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
 groups = [g for g, size in ((tp_groups[rank // tp], tp), (pp_groups[rank % tp], pp)) if size > 1]
 results = []
 for case in plan:
-    digest, message = case[rank]
-    verdict = agree(Outcome(rank, message is None, digest or "", message or ""), groups)
-    results.append([verdict.refusal, verdict.speaks])
+    digest, message, *shared = case[rank]
+    state, follows = shared or (0, False)  # a shared host state's id, and whether this rank follows its owner
+    verdict = agree(Outcome(rank, message is None, digest or "", message or "", state=state, follows=follows,
+                            pid=1000 + rank, changes_fd=rank), groups)
+    results.append([verdict.refusal, verdict.speaks, verdict.owner and [verdict.owner.pid, verdict.owner.changes_fd]])
 print(json.dumps(results))
 dist.destroy_process_group()
 """
@@ -110,11 +150,16 @@ def test_ranks_agree_over_gloo(tp, pp, tmp_path):
     good = [(D1, None)] * world
     one_failed = [(D1, None)] * (world - 1) + [("", "tensor 'w' is not the patch's base")]
     two_steps = [(D1, None)] * (world - 1) + [(D2, None)]
-    got = run_ranks(tp, pp, [good, one_failed, two_steps, good], tmp_path)
+    # Pairs of ranks share a host state (one per machine, two machines under pp 2): the first of each owns it.
+    shared = [(D1, None, 7 + r // 2, False) if r % 2 == 0 else ("", None, 7 + r // 2, True) for r in range(world)]
+    got = run_ranks(tp, pp, [good, one_failed, two_steps, good, shared], tmp_path)
     last = world - 1
     for rank, results in enumerate(got):
         refusals, speaks = [r[0] for r in results], [r[1] for r in results]
-        assert speaks == [rank == last] * 4  # the last rank alone reports (agreement.py: "One rank raises")
+        assert speaks == [rank == last] * 5  # the last rank alone reports (agreement.py: "One rank raises")
+        assert refusals[4] is None  # followers reached what their owners did
+        owner = rank - 1  # a follower hears where its owner's changes are; an owner follows none
+        assert results[4][2] == ([1000 + owner, owner] if rank % 2 else None)
         assert refusals[0] is None and refusals[3] is None  # every rank goes on, before and after the refusals
         if rank == last:
             assert refusals[1] == "tensor 'w' is not the patch's base"

@@ -197,10 +197,12 @@ def test_tied_llama_with_plain_weights_takes_sparse_in_place_updates(tmp_path_fa
 
 
 def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_path):
-    """Two tensor-parallel workers (vLLM's CPU backend runs them here, one core each): each worker decodes
-    against its own host copy, and the model's loader shards the checkpoint tensors; every rank's weights,
-    and the greedy answer, equal a fresh 2-rank engine's on the newest step. An update that one rank cannot
-    take, or that brings the ranks to different steps, is taken by none."""
+    """Two tensor-parallel workers (vLLM's CPU backend runs them here, one core each) share one host copy of
+    the checkpoint (engines/shared_state.py): one rank decodes into it, the other maps the same pages, and the
+    model's loader shards the checkpoint tensors on each; every rank's weights, and the greedy answer, equal a
+    fresh 2-rank engine's on the newest step. Their host memory together (proportional set size) is one
+    checkpoint. An update that one rank cannot take, or that the ranks were asked differently, is taken by
+    none."""
     train, outbox = qwen2
     fresh = run_engine({"model": step_dir(train, STEPS), "backend": None, "tp": 2, "actions": [{"observe": "fresh"}]},
                        tmp_path)
@@ -220,7 +222,8 @@ def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_pat
                       tmp_path)
     refused = [r for r in live if "raw_update" in r["action"]]
     assert "step 99" in refused[0].get("error", "accepted"), refused[0]
-    assert "different checkpoints" in refused[1].get("error", "accepted"), refused[1]
+    assert "asked different updates" in refused[1].get("error", "accepted"), refused[1]  # one state: one update
+    assert "step 1 of" in refused[1]["error"] and "step 2 of" in refused[1]["error"], refused[1]
     assert "step 99" in refused[2].get("error", "accepted"), refused[2]  # the last rank's own line
     assert "'source' must be" in refused[3].get("error", "accepted"), refused[3]
     assert "some to prepare an update" in refused[4].get("error", "accepted"), refused[4]
@@ -231,6 +234,12 @@ def test_tensor_parallel_2_ranks_each_bit_for_bit_and_all_or_none(qwen2, tmp_pat
     assert len(observed(live, "newest")["weights"]) == 2
     assert [w["<last_prepared>"] for w in observed(live, "newest")["weights"]] == [True, True]  # both went on from it
     same_engine(observed(live, "newest"), observed(fresh, "fresh"))
+    states = [w["<host_state>"] for w in observed(live, "newest")["weights"]]
+    assert sorted(s["role"] for s in states) == ["follower", "owner"], states
+    assert states[0]["state_id"] == states[1]["state_id"] != 0
+    size = states[0]["bytes"]
+    assert all(s["rss"] >= 0.9 * size for s in states), states  # each rank reads (nearly) every tensor of it ...
+    assert abs(sum(s["pss"] for s in states) - size) < 0.02 * size + (1 << 20), states  # ... from one copy
 
 
 def test_moe_updates_equal_vllms_own_reload(qwen3_moe, tmp_path):

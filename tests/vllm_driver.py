@@ -46,7 +46,8 @@ def fingerprints(worker) -> dict:
 
     model = worker.model_runner.get_model()
     engine = getattr(worker, "weight_transfer_engine", None)
-    out = {"<last_load>": getattr(engine, "last_load", ""), "<last_prepared>": getattr(engine, "last_prepared", None)}
+    out = {"<last_load>": getattr(engine, "last_load", ""), "<last_prepared>": getattr(engine, "last_prepared", None),
+           "<host_state>": host_state_memory(engine)}
     for module_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             t = p.detach().contiguous().reshape(-1)
@@ -57,6 +58,27 @@ def fingerprints(worker) -> dict:
             y = linear(eye, module.weight, None).contiguous().reshape(-1)
             out[f"{module_name}.<computes>"] = hashlib.sha256(y.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
     return out
+
+
+def host_state_memory(engine) -> dict | None:
+    """The backend's host state on this rank: its role (owner, follower or private), its size, and the
+    resident and proportional bytes (Rss, Pss) of the shared memory it maps (/proc/self/smaps)."""
+    state = getattr(engine, "state", None)
+    if state is None:
+        return None
+    sharing = engine.sharing
+    rss = pss = 0
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range, perms, ..., name
+                inside = len(head) >= 6 and head[5].startswith("/memfd:pulsediff-host-state")
+            elif inside and head[0] in ("Rss:", "Pss:"):
+                kib = int(head[1]) << 10
+                rss, pss = (rss + kib, pss) if head[0] == "Rss:" else (rss, pss + kib)
+    role = "private" if sharing is None else "owner" if sharing.owner else "follower"
+    return {"role": role, "state_id": getattr(sharing, "state_id", 0), "bytes": state.nbytes, "rss": rss, "pss": pss}
 
 
 def preparation_seconds(worker) -> float:

@@ -15,6 +15,11 @@ own, at its own step). Every rank must reach it: a rank that never does (vLLM re
 before pulsediff saw it: a per-rank list of requests too short for it) leaves the others waiting on
 the group until gloo's timeout, as any collective would.
 
+Ranks that share one host state (engines/shared_state.py: one copy per machine) verify once: the owner
+decodes the update and reports what it reached; a follower reports only which state it follows and what
+it was asked, and counts as having reached what its owner did, where they were asked the same update
+(a follower whose owner is not among the ranks, or was asked another update, refuses for all).
+
 One rank raises. vLLM's multiprocess executor (0.32; vllm-project/vllm issue 49972, open) reads
 the workers' replies to a call in rank order and stops at the first failure: the later ranks'
 replies stay queued, and every later call then reads the reply to the one before. So when the
@@ -30,7 +35,10 @@ from dataclasses import dataclass
 __all__ = ["Outcome", "Verdict", "agree", "exchange", "refusal"]
 
 RECORD_BYTES = 512
-_HEAD = struct.Struct("<IB96s")  # global rank, verified (0/1), target digest (ASCII, zero-padded)
+# global rank, verified, follows, applied, prepared (0/1 each), target digest (ASCII, zero-padded), shared
+# state id (0: a private state), the owner's pid, its changes' fd (-1: none), the request's hash, what was
+# asked (UTF-8, one line, cut to fit)
+_HEAD = struct.Struct("<IBBBB96sQIi16s128s")
 _MESSAGE_BYTES = RECORD_BYTES - _HEAD.size
 
 
@@ -40,19 +48,39 @@ class Outcome:
 
     rank: int
     ok: bool
-    digest: str  # the target reached ("" where it failed)
+    digest: str  # the target reached ("" where it failed; a follower's: its owner's, PREPARE or "")
     message: str = ""  # why it failed
+    state: int = 0  # the shared host state this rank owns or follows (0: its own, private)
+    follows: bool = False  # whether this rank follows the state's owner (verified nothing itself)
+    applied: bool = False  # whether the update changed the state (an owner's or a private rank's)
+    prepared: bool = False  # whether it went on from a preparation
+    pid: int = 0  # an owner's process: where its followers open its changes
+    changes_fd: int = -1  # an owner's fd of the update's changes (shared_state.publish_changes), -1: none
+    request: bytes = b""  # a hash of what this rank was asked (16 bytes)
+    asked: str = ""  # what this rank was asked, for a message
 
     def encode(self) -> bytes:
         digest = self.digest.encode("ascii", "replace")[:96]
-        message = " ".join(self.message.split()).encode("utf-8", "replace")[:_MESSAGE_BYTES]  # one line
-        return (_HEAD.pack(self.rank, int(self.ok), digest) + message).ljust(RECORD_BYTES, b"\0")
+        asked = _line(self.asked, 128)
+        message = _line(self.message, _MESSAGE_BYTES)
+        return (_HEAD.pack(self.rank, int(self.ok), int(self.follows), int(self.applied), int(self.prepared), digest,
+                           self.state, self.pid, self.changes_fd, self.request[:16], asked)
+                + message).ljust(RECORD_BYTES, b"\0")
 
     @classmethod
     def decode(cls, raw: bytes) -> "Outcome":
-        rank, ok, digest = _HEAD.unpack_from(raw)
-        message = raw[_HEAD.size:].rstrip(b"\0").decode("utf-8", "replace")
-        return cls(rank, bool(ok), digest.rstrip(b"\0").decode("ascii", "replace"), message)
+        rank, ok, follows, applied, prepared, digest, state, pid, changes_fd, request, asked = _HEAD.unpack_from(raw)
+        return cls(rank, bool(ok), digest.rstrip(b"\0").decode("ascii", "replace"), _text(raw[_HEAD.size:]),
+                   state, bool(follows), bool(applied), bool(prepared), pid, changes_fd, request.rstrip(b"\0"),
+                   _text(asked))
+
+
+def _line(text: str, limit: int) -> bytes:
+    return " ".join(text.split()).encode("utf-8", "replace")[:limit]  # one line, cut to fit
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
 def exchange(record: bytes, groups: list) -> list[bytes]:
@@ -81,6 +109,7 @@ PREPARE = "prepare"  # the target a rank asked only to prepare reports: never an
 class Verdict:
     refusal: str | None  # why no rank may go on (one line); None: every rank may
     speaks: bool  # whether this rank reports it: the last rank (module docstring, "One rank raises")
+    owner: Outcome | None = None  # a follower's: its owner's outcome (what it reached, where its changes are)
 
 
 def refusal(mine: Outcome, outcomes: list[Outcome], consequence: str) -> str | None:
@@ -88,15 +117,25 @@ def refusal(mine: Outcome, outcomes: list[Outcome], consequence: str) -> str | N
     `consequence` ends the line that names another rank's failure."""
     if not mine.ok:
         return mine.message
-    failed = sorted((o for o in outcomes if not o.ok), key=lambda o: o.rank)
+    outcomes = sorted(outcomes, key=lambda o: o.rank)
+    if len({o.digest == PREPARE for o in outcomes if o.ok}) > 1:
+        return ("the engine's ranks were not all asked the same: some to prepare an update, others to take "
+                f"one, {consequence}")
+    owners = {o.state: o for o in outcomes if o.state and not o.follows}
+    for o in outcomes:  # what one state's ranks were asked first: that is why their verdicts differ
+        owner = owners.get(o.state)
+        if o.follows and owner is None:
+            return (f"rank {o.rank} follows a shared host state that no rank of this engine holds (set "
+                    f"PULSEDIFF_VLLM_SHARE_HOST_STATE=0 where engines on one machine were started alike), {consequence}")
+        if o.follows and o.request != owner.request and o.asked and owner.asked:
+            return (f"the engine's ranks were asked different updates (rank {owner.rank}: {owner.asked}; rank "
+                    f"{o.rank}: {o.asked}), {consequence}")
+    failed = [o for o in outcomes if not o.ok]
     if failed:
         return f"rank {failed[0].rank} of this engine failed ({failed[0].message}), {consequence}"
     reached = {}
-    for o in sorted(outcomes, key=lambda o: o.rank):
-        reached.setdefault(o.digest, o.rank)
-    if len(reached) > 1 and PREPARE in reached:
-        return ("the engine's ranks were not all asked the same: some to prepare an update, others to take "
-                f"one, {consequence}")
+    for o in outcomes:
+        reached.setdefault(owners[o.state].digest if o.follows else o.digest, o.rank)
     if len(reached) > 1:
         seen = ", ".join(f"rank {rank}: {digest}" for digest, rank in reached.items())
         return (f"the engine's ranks reached different checkpoints ({seen}); was a step published during the "
@@ -107,4 +146,5 @@ def refusal(mine: Outcome, outcomes: list[Outcome], consequence: str) -> str | N
 def agree(mine: Outcome, groups: list, consequence: str = "so no rank took the update") -> Verdict:
     """`refusal` over the outcomes of every rank of the model replica (exchanged over `groups`)."""
     outcomes = [mine] if not groups else [Outcome.decode(raw) for raw in exchange(mine.encode(), groups)]
-    return Verdict(refusal(mine, outcomes, consequence), mine.rank == max(o.rank for o in outcomes))
+    owner = next((o for o in outcomes if mine.follows and o.state == mine.state and not o.follows), None)
+    return Verdict(refusal(mine, outcomes, consequence), mine.rank == max(o.rank for o in outcomes), owner)

@@ -58,6 +58,7 @@ What happens, in order:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -76,7 +77,16 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from pulsediff.engines.agreement import PREPARE, Outcome, Verdict, agree
-from pulsediff.engines.state import HostState, load_host_state, parse_update_request
+from pulsediff.engines.shared_state import (
+    Sharing,
+    SharingUnavailable,
+    close_changes,
+    load_shared_host_state,
+    publish_changes,
+    read_changes,
+    replica_key,
+)
+from pulsediff.engines.state import Advance, HostState, load_host_state, parse_update_request
 from pulsediff.engines.vllm_client import KEPT, UNDEFINED
 from pulsediff.engines.vllm_plugin import BACKEND, UNPACKED_ENV  # noqa: F401 (public here too)
 from pulsediff.errors import PulsediffError, UsageError
@@ -86,6 +96,7 @@ __all__ = ["PulsediffWeightTransferEngine", "PulsediffInitInfo", "PulsediffUpdat
 TRUST_ENV = "PULSEDIFF_VLLM_TRUST"  # public keys (ed25519:... or files of them, comma-separated)
 TRUST_STATE_ENV = "PULSEDIFF_VLLM_TRUST_STATE"  # the rollback record (default: signing.default_state_file())
 CACHE_ENV = "PULSEDIFF_VLLM_CACHE"  # where remote series' files are fetched (default: remote.default_cache)
+SHARE_ENV = "PULSEDIFF_VLLM_SHARE_HOST_STATE"  # "0": every rank keeps its own host copy (engines/shared_state.py)
 logger = init_logger("vllm.pulsediff")  # under vLLM's logger: its handlers print it
 
 
@@ -115,6 +126,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.state: HostState | None = None
+        self.sharing: Sharing | None = None  # this rank's part in the machine's one host state (None: its own)
         self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
         self.reload_reason: str | None = None  # in_place_ok's finding, made once: "" where updates go in sparse
@@ -173,7 +185,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             request = (update_info.source, update_info.step, list(trust) if trust else None,
                        os.environ.get(TRUST_STATE_ENV) or None, Path(cache) if cache else None, update_info.force)
             state = self.host_state()
-            if not prepare:
+            if not prepare and not self.follower:
                 state.settle()
                 state.drop_unjudged()
                 # Staged: a rank keeps what it takes to go back until every rank has verified the same
@@ -182,11 +194,19 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                 advance = state.advance(*request, stage=True)
         except BaseException as exc:  # the host state was put back, and the engine was not touched
             failure = str(exc) if isinstance(exc, PulsediffError) else f"{type(exc).__name__}: {exc}"
+        mine = self.outcome(state, advance, failure, request, prepare)
         if prepare:
-            return self.prepare(state, request, failure)
+            return self.prepare(state, request, mine)
+        try:
+            self.take(state, advance, mine, start)
+        finally:
+            if self.sharing is not None:
+                close_changes(self.sharing)  # every rank has loaded (or refused): its followers are done with them
+
+    def take(self, state: HostState, advance, mine: Outcome, start: float) -> None:
+        """The agreement on this rank's outcome, then the load (or the refusal)."""
         suffix = UNDEFINED if self.engine_stale else KEPT
-        verdict = self.agreed(Outcome(self.rank, advance is not None, advance.digest if advance else "", failure),
-                              "so no rank took the update")
+        verdict = self.agreed(mine, "so no rank took the update")
         if verdict.refusal is not None:
             if advance is not None:
                 try:
@@ -195,7 +215,12 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                     verdict = Verdict(f"{verdict.refusal}; this rank could not take its update back ({exc})",
                                       verdict.speaks)
             return self.refuse(verdict, suffix)
-        state.commit()
+        if advance is not None:
+            state.commit()
+        else:  # a follower: what its owner reached, in the host state they share
+            owner = verdict.owner
+            advance = Advance("applied" if owner.applied else "up-to-date", None, owner.digest, links=0,
+                              prepared=owner.prepared)
         if advance.status == "up-to-date" and not self.engine_stale:
             return
         verified = time.perf_counter()
@@ -203,7 +228,11 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self.engine_stale = True
         failure = ""
         try:
-            self.load(state, None if everything else advance.changes)
+            changes = None if everything else advance.changes
+            if self.follower and not everything and self.in_place_ok():
+                owner = verdict.owner  # no changes published (the owner loads every tensor): so does this rank
+                changes = None if owner.changes_fd < 0 else read_changes(owner.pid, owner.changes_fd, state.tensors)
+            self.load(state, changes)
         except BaseException as exc:
             failure = f"the engine failed while loading verified weights ({type(exc).__name__}: {exc})"
         # Agreed again: a rank whose load failed leaves the model part old, part new on every rank.
@@ -213,19 +242,54 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self.engine_stale = False
         self.last_prepared = advance.prepared
         self.timings = {"verify_decode": verified - start, "load": time.perf_counter() - verified}
-        logger.info("pulsediff: %s verified and decoded in %.3f s (%d links%s), loaded (%s) in %.3f s",
-                    f"step {advance.step}" if advance.step is not None else advance.digest, self.timings["verify_decode"],
-                    advance.links, ", prepared ahead" if advance.prepared else "", self.last_load, self.timings["load"])
+        logger.info("pulsediff: %s %s in %.3f s (%d links%s), loaded (%s) in %.3f s",
+                    f"step {advance.step}" if advance.step is not None else advance.digest,
+                    "verified and decoded by the rank that owns this machine's host state" if self.follower
+                    else "verified and decoded", self.timings["verify_decode"], advance.links,
+                    ", prepared ahead" if advance.prepared else "", self.last_load, self.timings["load"])
 
-    def prepare(self, state: HostState | None, request: tuple, failure: str) -> None:
+    @property
+    def follower(self) -> bool:
+        """Whether another rank on this machine owns the host state this rank maps (and decodes into it)."""
+        return self.sharing is not None and not self.sharing.owner
+
+    def outcome(self, state: HostState | None, advance, failure: str, request: tuple, prepare: bool) -> Outcome:
+        """This rank's record for the agreement. An owner publishes the update's changes for its followers
+        (when they will load only those)."""
+        asked = _asked(request, prepare) if request else ""
+        hashed = hashlib.sha256(repr((request, prepare)).encode()).digest()[:16]
+        sharing = self.sharing
+        if sharing is None or failure:
+            digest = PREPARE if prepare else advance.digest if advance else ""
+            return Outcome(self.rank, not failure, "" if failure else digest, failure, state=0 if sharing is None
+                           else sharing.state_id, follows=self.follower, request=hashed, asked=asked)
+        if not sharing.owner:
+            return Outcome(self.rank, True, PREPARE if prepare else "", state=sharing.state_id, follows=True,
+                           request=hashed, asked=asked)
+        fd, applied = -1, advance is not None and advance.status == "applied"
+        if applied and not self.engine_stale and self.in_place_ok():
+            try:
+                fd = publish_changes(sharing, list(state.tensors), advance.changes)
+            except Exception as exc:  # noqa: BLE001 - this rank's failure: every rank refuses, this one reverts
+                return Outcome(self.rank, False, "", f"the update's changes could not be shared with this machine's "
+                               f"other ranks ({type(exc).__name__}: {exc})", state=sharing.state_id, request=hashed,
+                               asked=asked)
+        return Outcome(self.rank, True, PREPARE if prepare else advance.digest, state=sharing.state_id, applied=applied,
+                       prepared=bool(advance and advance.prepared), pid=os.getpid(), changes_fd=fd, request=hashed,
+                       asked=asked)
+
+    def prepare(self, state: HostState | None, request: tuple, mine: Outcome) -> None:
         """update_info's "prepare": start verifying and decoding the update in the background
         (HostState.prepare) and return, touching nothing: the engine goes on serving (vLLM runs no
         model step while a worker call lasts). A later update of the same source waits for it and
         goes on from there, so that its own critical path is the load alone. The ranks agree first
-        that every one of them was asked to prepare (a mix of preparations and updates is refused)."""
-        verdict = self.agreed(Outcome(self.rank, not failure, PREPARE, failure), "so no rank prepared the update")
+        that every one of them was asked to prepare (a mix of preparations and updates is refused).
+        A follower prepares nothing: its owner decodes into the state they share."""
+        verdict = self.agreed(mine, "so no rank prepared the update")
         if verdict.refusal is not None:
             return self.refuse(verdict, UNDEFINED if self.engine_stale else KEPT)
+        if self.follower:
+            return
         try:
             state.drop_unjudged()  # an update interrupted before its verdict: the engine is where that began
             if not state.prepare(*request):
@@ -284,8 +348,35 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             if self.state is None:
                 # The engine was started from this folder: its weights are these tensors (a change made to
                 # them another way, such as vLLM's reload_weights, is not seen here).
-                self.state = load_host_state(model_folder(self.model_config, self.vllm_config.load_config))
+                folder = model_folder(self.model_config, self.vllm_config.load_config)
+                key = self.share_key(folder)
+                if key is not None:
+                    try:
+                        self.state, self.sharing = load_shared_host_state(folder, key)
+                        logger.info("pulsediff: rank %d %s this machine's host state (%.2f GB)", self.rank,
+                                    "owns" if self.sharing.owner else "maps", self.state.nbytes / 1e9)
+                    except SharingUnavailable as exc:
+                        logger.warning("pulsediff: rank %d keeps a host copy of its own (%s)", self.rank, exc)
+                if self.state is None:
+                    self.state = load_host_state(folder)
             return self.state
+
+    def share_key(self, folder: Path) -> str | None:
+        """The name under which this engine's ranks on one machine share one host state
+        (shared_state.replica_key), or None: one rank; Ray's workers, whose parent process every engine
+        on the machine shares; or the operator's PULSEDIFF_VLLM_SHARE_HOST_STATE=0."""
+        coordinators = self.coordinators()
+        if not coordinators or os.environ.get(SHARE_ENV, "1") == "0":
+            return None
+        config = self.parallel_config
+        if config.distributed_executor_backend not in ("mp", "external_launcher"):
+            return None
+        ranks = sorted({int(r) for c in coordinators for r in c.ranks})
+        # torchrun's workers (external_launcher) share a parent across the replicas of its job: its run id and
+        # the replica's ranks tell them apart; vLLM's multiprocess executor starts each engine's workers itself.
+        extra = repr((getattr(config, "data_parallel_rank", 0), os.environ.get("TORCHELASTIC_RUN_ID"),
+                      os.environ.get("MASTER_PORT")))
+        return replica_key(str(folder), os.getppid(), ranks, extra)
 
     @property
     def rank(self) -> int:
@@ -295,6 +386,10 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         """The CPU process groups over which this model replica's ranks agree on an update
         (engines/agreement.py): tensor-parallel, prefill-context-parallel, then pipeline-parallel
         (together the replica's world); none for one rank."""
+        return [g.cpu_group for g in self.coordinators()]
+
+    def coordinators(self) -> list:
+        """vLLM's group coordinators of rank_groups (those of more than one rank)."""
         config = self.parallel_config
         if config.tensor_parallel_size * config.pipeline_parallel_size * getattr(
                 config, "prefill_context_parallel_size", 1) == 1:
@@ -305,7 +400,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         if getattr(config, "prefill_context_parallel_size", 1) > 1:
             groups.append(parallel_state.get_pcp_group())
         groups.append(parallel_state.get_pp_group())
-        return [g.cpu_group for g in groups if g.world_size > 1]
+        return [g for g in groups if g.world_size > 1]
 
     def in_place_ok(self) -> bool:
         """Whether a write to a parameter is what the next forward pass uses, so that only the changed
@@ -427,6 +522,13 @@ def _warm_up(dtypes: set) -> None:
         logger.info("pulsediff: update kernels loaded in %.2f s", warm_up(dtypes, check=CHECK))
     except Exception as exc:  # noqa: BLE001 - a warm-up only saves time: the updates load what they need
         logger.warning("pulsediff: the update kernels were not loaded ahead (%s: %s)", type(exc).__name__, exc)
+
+
+def _asked(request: tuple, prepare: bool) -> str:
+    """What a rank was asked, for a message: "prepare step 3 of /runs/a/outbox" (the source's end, where long)."""
+    source, step = request[0], request[1]
+    where = source if len(source) <= 80 else "..." + source[-77:]
+    return f"{'prepare ' if prepare else ''}{'' if step is None else f'step {step} of '}{where}"
 
 
 def _typed(update_dict) -> PulsediffUpdateInfo:
