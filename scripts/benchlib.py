@@ -158,6 +158,8 @@ BENCHMARKS = (
               "python scripts/bench_catchup.py --help"),
     Benchmark("bench_vllm.py", "updates into a running vLLM engine against its own reload (engine venv)",
               "python scripts/bench_vllm.py --rounds 3 --layers 16"),
+    Benchmark("bench_tp_memory.py", "issue 45, item 7: a 2-rank tensor-parallel engine's host memory, ranks sharing "
+              "one host state against a copy per rank (engine venv)", "python scripts/bench_tp_memory.py --layers 16"),
     Benchmark("soak_rl.py", "issue 46: the RL loop (examples/rl_loop.py) for 300 steps with both faults: patch bytes, "
               "pauses, the engine worker's memory, beside TRL's delta format re-created (engine venv)",
               "python scripts/soak_rl.py --steps 300"),
@@ -169,7 +171,7 @@ BENCHMARKS = (
               "python scripts/fuzz_campaign.py --help"),
 )
 HELPERS = ("benchlib.py", "make_synthetic_pair.py", "gen_series.py", "make_golden.py", "peak_private.py",
-           "gpu_check.sh")
+           "gpu_check.sh", "make_warm_patches.py")
 
 
 def list_benchmarks() -> str:

@@ -17,6 +17,7 @@ PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "actio
                                         (its seconds in "prepare_seconds"); with "generate_beside": true, a
                                         greedy generation is timed alone, then again while the preparation runs
   {"timed_reload": [DIR, ...]}          (benchmarks) the same for vLLM's reload_weights
+  {"memory": LABEL}                     (benchmarks) each rank's resident memory (memory_now) and host state
 RESULT: one record per action, in order.
 
 Fingerprints are SHA-256 digests of every parameter's bytes and, for every Linear layer, of what it
@@ -79,6 +80,17 @@ def host_state_memory(engine) -> dict | None:
                 rss, pss = (rss + kib, pss) if head[0] == "Rss:" else (rss, pss + kib)
     role = "private" if sharing is None else "owner" if sharing.owner else "follower"
     return {"role": role, "state_id": getattr(sharing, "state_id", 0), "bytes": state.nbytes, "rss": rss, "pss": pss}
+
+
+def memory_now(worker=None) -> dict:
+    """This process's memory in KiB: resident (VmRSS), of it anonymous and shared (RssAnon, RssShmem), and its
+    proportional share of every page (Pss: a page mapped by two processes counts half in each)."""
+    out = {key: _status_kib(key) for key in ("VmRSS", "RssAnon", "RssShmem")}
+    with open("/proc/self/smaps_rollup") as f:
+        out["Pss"] = next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    engine = getattr(worker, "weight_transfer_engine", None)
+    out["host_state"] = host_state_memory(engine) if engine is not None else None
+    return out
 
 
 def preparation_seconds(worker) -> float:
@@ -196,6 +208,8 @@ def main(plan_path: str, result_path: str) -> int:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": job["out"]})
             llm.reset_prefix_cache()
             record["seconds"] = [time.perf_counter() - t]
+        elif "memory" in action:
+            record["ranks"] = llm.collective_rpc(memory_now)
         elif "timed_reload" in action:
             seconds, extra_kib = [], []
             for folder in action["timed_reload"]:

@@ -11,8 +11,9 @@ before the engine is touched, and what changed is then
 handed to the engine in checkpoint coordinates, which its own `load_weights` maps into fused and
 sharded parameters.
 
-Cost: one host copy of the checkpoint per engine worker (its size in host memory, never in
-device memory).
+Cost: one host copy of the checkpoint per machine (its size in host memory, never in device
+memory): an engine's ranks on one machine share it (engines/shared_state.py), or, where they
+cannot, each keeps its own.
 `HostState` is independent of any engine: vLLM (engines/vllm.py) and a second engine share it.
 """
 

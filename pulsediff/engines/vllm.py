@@ -27,11 +27,12 @@ every update must be signed by), PULSEDIFF_VLLM_TRUST_STATE, PULSEDIFF_VLLM_CACH
 
 What happens, in order:
 
-1. Verify, touching nothing (every worker for itself): the request's types; the manifest (and its
-   signature under K); the chain's files (size, checksums, SHA-256 under K); then every patch is
-   decoded against the worker's `HostState` (engines/state.py: the checkpoint in host memory, kept
-   at the engine's step), the base's and every rebuilt tensor's word sums checked against the
-   patch's. The host state keeps what it takes to go back.
+1. Verify, touching nothing: the request's types; the manifest (and its signature under K); the
+   chain's files (size, checksums, SHA-256 under K); then every patch is decoded against the
+   `HostState` (engines/state.py: the checkpoint in host memory, kept at the engine's step), the
+   base's and every rebuilt tensor's word sums checked against the patch's. The host state keeps
+   what it takes to go back. The ranks of an engine on one machine share one host state
+   (engines/shared_state.py): its owner verifies and decodes, the others follow it.
 2. Agree (tensor-, context- and pipeline-parallel ranks, engines/agreement.py): the ranks exchange
    what they reached. Unless every rank verified the same target, every rank takes its host state
    back and the update is refused with one line (raised by the last rank; under vLLM's multiprocess
