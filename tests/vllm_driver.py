@@ -4,7 +4,8 @@ keeps each engine's 3 GB and its threads out of pytest.
 
     python tests/vllm_driver.py PLAN.json RESULT.json
 
-PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "actions": [...]}; each action is one of
+PLAN: {"model": DIR, "backend": "pulsediff" or null, "tp": N (default 1), "init": true (call
+init_weight_transfer_engine after the start, timed), "actions": [...]}; each action is one of
   {"observe": LABEL}                    record the weights' fingerprints and a greedy generation
   {"update": {source, step?, trust?}}   pulsediff.engines.vllm_client.update_llm; its error, if any, is recorded
   {"raw_update": {...}}                 start/update/finish without update_llm's own checks (the workers' alone)
@@ -135,6 +136,11 @@ def main(plan_path: str, result_path: str) -> int:
     llm = LLM(model=plan["model"], dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
               seed=0, **extra)
     started = time.perf_counter() - start
+    init_s = None
+    if plan.get("init"):  # init_weight_transfer_engine, as an RL trainer calls it before its first update
+        t = time.perf_counter()
+        llm.init_weight_transfer_engine({"init_info": {}})
+        init_s = time.perf_counter() - t
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
 
     def generate() -> dict:
@@ -142,7 +148,7 @@ def main(plan_path: str, result_path: str) -> int:
         return {"tokens": list(out.token_ids),
                 "logprobs": [sorted((int(k), v.logprob) for k, v in d.items()) for d in out.logprobs]}
 
-    results = [{"started_s": started}]
+    results = [{"started_s": started, "init_s": init_s}]
     for action in plan["actions"]:
         record: dict = {"action": action}
         if "observe" in action:

@@ -5,7 +5,9 @@ vLLM (0.32+) loads weight-transfer backends by name (`WeightTransferConfig(backe
 point, so every vLLM process finds it without an import by hand. Then, offline or over
 `vllm serve`'s routes:
 
-    init_weight_transfer_engine({})            # optional: loads the host state now, not at the first update
+    init_weight_transfer_engine({})            # optional: returns once the kernels are loaded and the host
+                                               # state read (started with the engine), so that the first
+                                               # update costs what the next ones do
                                                # (init_info takes nothing: see PULSEDIFF_VLLM_* below)
     start_weight_update()
     update_weights({"source": S, "step": N, "trust": K})
@@ -139,7 +141,8 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         # a first update otherwise paid for (issue 45: 3.3 s against 1.4 s for the next on a 1 GB model).
         # An update that comes sooner waits for what it needs.
         dtypes = {torch.bfloat16, torch.float32} | {p.dtype for p in getattr(model, "parameters", list)()}
-        threading.Thread(target=self._ready, args=(dtypes,), name="pulsediff-warm-up", daemon=True).start()
+        self._warming = threading.Thread(target=self._ready, args=(dtypes,), name="pulsediff-warm-up", daemon=True)
+        self._warming.start()
 
     def _ready(self, dtypes: set) -> None:
         _warm_up(dtypes)
@@ -157,7 +160,11 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         return PulsediffInitInfo()
 
     def init_transfer_engine(self, init_info: PulsediffInitInfo) -> None:
-        self.host_state()  # read the checkpoint now rather than on the first update's critical path
+        """Return once the first update will cost what the next ones do: the kernels loaded and the host
+        state read (the warm-up's thread, started with the engine; a failure there is logged, and the
+        first update does that work itself)."""
+        self._warming.join()
+        self.host_state()
 
     def start_weight_update(self) -> None:
         """Nothing: the engine is touched only after update_weights has verified everything."""
