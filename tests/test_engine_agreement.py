@@ -57,8 +57,8 @@ def test_ranks_that_share_a_host_state_take_their_owners_verdict():
 
     then = "so no rank took the update"
     asked1, asked2 = (b"1" * 16, "step 1 of /s"), (b"2" * 16, "step 2 of /s")
-    owner = Outcome(0, True, D1, state=7, applied=True, prepared=True, pid=4321, changes_fd=9, request=asked1[0],
-                    asked=asked1[1])
+    owner = Outcome(0, True, D1, state=7, applied=True, prepared=True, pid=4321, changes_fd=9, step=3,
+                    request=asked1[0], asked=asked1[1])
     follower = Outcome(1, True, "", state=7, follows=True, request=asked1[0], asked=asked1[1])
     assert Outcome.decode(owner.encode()) == owner and Outcome.decode(follower.encode()) == follower
     assert refusal(follower, [owner, follower], then) is None and refusal(owner, [owner, follower], then) is None
@@ -71,6 +71,11 @@ def test_ranks_that_share_a_host_state_take_their_owners_verdict():
     for mine in (owner, other):
         says = refusal(mine, [owner, other], then)
         assert says == f"the engine's ranks were asked different updates (rank 0: {asked1[1]}; rank 1: {asked2[1]}), {then}"
+    # Asked the same in words but not in full (keys, force, the operator's settings): said so.
+    same_words = replace(follower, request=asked2[0])
+    assert "(their keys, force or the operator's settings differ)" in refusal(owner, [owner, same_words], then)
+    # Two ranks that both own one state (not reached: one lock) are refused, not guessed between.
+    assert "both own one shared host state" in refusal(owner, [owner, replace(owner, rank=1)], then)
     # Its owner failed: named as that rank's failure.
     failed = Outcome(0, False, "", "download failed", state=7, request=asked1[0], asked=asked1[1])
     assert refusal(follower, [failed, follower], then) == f"rank 0 of this engine failed (download failed), {then}"

@@ -61,8 +61,8 @@ FOLLOWER = textwrap.dedent("""
     assert not sharing.owner, "the follower became an owner"
     while not __import__("os").path.exists(out + ".go"):
         time.sleep(0.02)
-    pid, fd = map(int, open(out + ".go").read().split())
-    changes = read_changes(pid, fd, state.tensors)
+    pid, fd, digest = open(out + ".go").read().split()
+    changes = read_changes(int(pid), int(fd), state.tensors, sharing.state_id, digest)
     bits = {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes().hex() for k, v in state.tensors.items()}
     json.dump({"state_id": sharing.state_id, "digest": state.digest, "bits": bits,
                "changes": {k: None if v is None else v.tolist() for k, v in changes.items()}}, open(out, "w"))
@@ -84,8 +84,8 @@ def test_an_owner_decodes_and_a_follower_sees_the_target_and_its_changes(private
     try:
         advance = state.advance(str(patch), stage=True)
         state.commit()
-        fd = publish_changes(sharing, list(state.tensors), advance.changes)
-        (tmp_path / "follower.json.go").write_text(f"{os.getpid()} {fd}")
+        fd = publish_changes(sharing, list(state.tensors), advance.changes, advance.digest)
+        (tmp_path / "follower.json.go").write_text(f"{os.getpid()} {fd} {advance.digest}")
         assert follower.wait(timeout=120) == 0
     finally:
         follower.kill()
@@ -105,6 +105,13 @@ def test_a_dead_owners_line_is_replaced_and_its_lock_is_gone(private_tmp, tmp_pa
     state, sharing = load_shared_host_state(tmp_path, key)
     assert sharing.owner
     assert line.read_text().split() == [str(os.getpid()), str(sharing.memfd), str(sharing.state_id)]
+    import fcntl
+
+    assert fcntl.fcntl(sharing.memfd, fcntl.F_GET_SEALS) & shared_state.SEALS == shared_state.SEALS  # its size fixed
+    shared_state.release(sharing)
+    state2, again = load_shared_host_state(tmp_path, key)  # released: the lock is free for a new owner
+    assert again.owner and again.state_id != sharing.state_id
+    assert torch.equal(state2.tensors["a.weight"].view(torch.int16), state.tensors["a.weight"].view(torch.int16))
 
 
 def test_a_follower_waits_for_a_loading_owner_and_refuses_what_is_not_a_host_state(private_tmp, tmp_path):
@@ -169,36 +176,48 @@ def test_a_followers_checks_of_the_table():
 
 def test_changes_records_are_checked_before_use(tmp_path):
     tensors = {"a": torch.zeros(10), "b": torch.zeros(4)}
-    sharing = shared_state.Sharing(1, os.getpid(), True, -1)
+    sharing = shared_state.Sharing(5, os.getpid(), True, -1)
     changes = {"a": np.array([1, 9], np.int64), "b": None}
-    fd = publish_changes(sharing, list(tensors), changes)
-    got = read_changes(os.getpid(), fd, tensors)
+    fd = publish_changes(sharing, list(tensors), changes, "xxh3tree:" + "a" * 32)
+    got = read_changes(os.getpid(), fd, tensors, 5, "xxh3tree:" + "a" * 32)
     assert got["a"].tolist() == [1, 9] and got["b"] is None
+    with pytest.raises(PulsediffError, match="another update"):
+        read_changes(os.getpid(), fd, tensors, 5, "xxh3tree:" + "b" * 32)  # not the agreed target
+    with pytest.raises(PulsediffError, match="another update"):
+        read_changes(os.getpid(), fd, tensors, 6, "xxh3tree:" + "a" * 32)  # another state's
     shared_state.close_changes(sharing)
 
-    def record(rows, positions, magic=shared_state.CHANGES_MAGIC):
-        fd = os.memfd_create("t")
-        os.write(fd, shared_state._CHANGES_HEAD.pack(magic, len(rows)) + np.array(rows, np.int64).tobytes()
-                 + np.array(positions, np.int64).tobytes())
+    def record(rows, positions, magic=shared_state.CHANGES_MAGIC, count=None):
+        fd = os.memfd_create("pulsediff-changes")
+        os.write(fd, shared_state._CHANGES_HEAD.pack(magic, 5, b"d", len(rows) if count is None else count)
+                 + np.array(rows, np.int64).tobytes() + np.array(positions, np.int64).tobytes())
         return fd
 
-    cases = {"outside it": ([[0, 1]], [10]), "add up": ([[0, 2]], [1]), "a bad changes record": ([[2, 1]], [0]),
-             "twice": ([[0, 1], [0, 1]], [1, 2]), "negative": ([[0, -2]], [])}
-    for what, (rows, positions) in cases.items():
-        fd = record(rows, positions)
+    cases = {"outside it": ([[0, 1]], [10], None), "add up": ([[0, 2]], [1], None),
+             "bad index": ([[2, 1]], [0], None), "twice": ([[0, 1], [0, 1]], [1, 2], None),
+             "negative": ([[0, -2]], [], None), "huge count": ([[0, 2**62]], [1], None),
+             "more rows than bytes": ([[0, 1]], [1], 2**40), "left over": ([[0, 1]], [1, 2], None)}
+    for what, (rows, positions, count) in cases.items():
+        fd = record(rows, positions, count=count)
         try:
             with pytest.raises(PulsediffError):
-                read_changes(os.getpid(), fd, tensors)
+                read_changes(os.getpid(), fd, tensors, 5, "d")
         finally:
             os.close(fd)
     fd = record([], [], magic=b"XXXXXXXX")
     try:
         with pytest.raises(PulsediffError, match="not a changes record"):
-            read_changes(os.getpid(), fd, tensors)
+            read_changes(os.getpid(), fd, tensors, 5, "d")
     finally:
         os.close(fd)
+    other = os.memfd_create("something-else")
+    try:
+        with pytest.raises(PulsediffError, match="not an update's changes"):
+            read_changes(os.getpid(), other, tensors, 5, "d")
+    finally:
+        os.close(other)
     with pytest.raises(PulsediffError, match="could not be read"):
-        read_changes(os.getpid(), 10_000, tensors)
+        read_changes(os.getpid(), 10_000, tensors, 5, "d")
 
 
 def test_an_owner_that_cannot_load_lets_go_of_the_lock(private_tmp, tmp_path):
@@ -227,3 +246,33 @@ def test_old_rendezvous_files_of_ended_engines_are_swept(private_tmp, tmp_path):
     os.utime(held, (1, 1))
     load_shared_host_state(tmp_path, replica_key(str(tmp_path), 1, [0], uuid.uuid4().hex))
     assert not old.exists() and recent.exists() and held.exists()
+
+
+def test_a_lock_that_cannot_be_taken_means_a_private_copy(private_tmp, tmp_path, monkeypatch):
+    import fcntl
+
+    checkpoint_pair(tmp_path)
+
+    def no_locks(fd, op):
+        raise OSError(38, "Function not implemented")  # flock on a file system without it (Lustre, some FUSE)
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(SharingUnavailable, match="not implemented"):
+        load_shared_host_state(tmp_path, replica_key(str(tmp_path), 1, [0, 1], uuid.uuid4().hex))
+
+
+def test_a_replica_is_its_aligned_block_of_ranks():
+    from types import SimpleNamespace
+
+    from pulsediff.engines.shared_state import replica_ranks
+
+    # vLLM's layout: ranks = arange(world).reshape(dp, pp, tp); tensor ranks fastest.
+    tp, pp, dp = 2, 2, 2
+    grid = np.arange(dp * pp * tp).reshape(dp, pp, tp)
+    for rank in range(dp * pp * tp):
+        d, p, t = np.argwhere(grid == rank)[0]
+        groups = [SimpleNamespace(world_size=tp, ranks=grid[d, p, :].tolist()),
+                  SimpleNamespace(world_size=pp, ranks=grid[d, :, t].tolist())]
+        assert replica_ranks(rank, groups) == grid[d].reshape(-1).tolist()
+    odd = [SimpleNamespace(world_size=2, ranks=[0, 5])]  # not vLLM's layout: no sharing
+    assert replica_ranks(0, odd) is None

@@ -1,12 +1,12 @@
 """All of an engine's ranks take an update, or none does.
 
-With tensor or pipeline parallelism every worker process keeps its own host state and verifies the
-update for itself. A failure on one rank alone (a download error, a file it cannot read, a step
-published between two ranks' reads of the manifest) must not leave the ranks at different steps: a
-model whose shards come from two checkpoints computes garbage, and nothing says so. So each rank
-stages its update (HostState.advance(stage=True)), the ranks exchange what they reached, and they
-load only if every rank verified the same target; otherwise each takes its stage back and all of
-them refuse the update.
+With tensor or pipeline parallelism every worker process verifies the update against its host state,
+or follows the rank that owns the host state it shares (below). A failure on one rank alone (a
+download error, a file it cannot read, a step published between two ranks' reads of the manifest)
+must not leave the ranks at different steps: a model whose shards come from two checkpoints
+computes garbage, and nothing says so. So each rank that decodes stages its update
+(HostState.advance(stage=True)), the ranks exchange what they reached, and they load only if every
+rank verified the same target; otherwise each stage is taken back and all of them refuse the update.
 
 The exchange is one all-gather of a fixed-size record per rank over each of the engine's CPU
 (gloo) process groups in turn: tensor-parallel, context-parallel, pipeline-parallel, so that every
@@ -30,15 +30,15 @@ close their update session as vLLM closes a failed one, and return (engines/vllm
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Outcome", "Verdict", "agree", "exchange", "refusal"]
 
-RECORD_BYTES = 512
-# global rank, verified, follows, applied, prepared (0/1 each), target digest (ASCII, zero-padded), shared
-# state id (0: a private state), the owner's pid, its changes' fd (-1: none), the request's hash, what was
-# asked (UTF-8, one line, cut to fit)
-_HEAD = struct.Struct("<IBBBB96sQIi16s128s")
+RECORD_BYTES = 1024
+# global rank, verified, follows, applied, prepared, reloaded (0/1 each), target digest (ASCII, zero-padded), shared
+# state id (0: a private state), the owner's pid, its changes' fd (-1: none), the step reached (-1: none),
+# the request's hash, what was asked (UTF-8, one line, cut to fit)
+_HEAD = struct.Struct("<IBBBBB96sQIiq16s128s")
 _MESSAGE_BYTES = RECORD_BYTES - _HEAD.size
 
 
@@ -54,25 +54,30 @@ class Outcome:
     follows: bool = False  # whether this rank follows the state's owner (verified nothing itself)
     applied: bool = False  # whether the update changed the state (an owner's or a private rank's)
     prepared: bool = False  # whether it went on from a preparation
+    reloaded: bool = False  # (after a load) whether this rank's load handed vLLM's reload the host tensors
     pid: int = 0  # an owner's process: where its followers open its changes
     changes_fd: int = -1  # an owner's fd of the update's changes (shared_state.publish_changes), -1: none
-    request: bytes = b""  # a hash of what this rank was asked (16 bytes)
+    step: int | None = None  # the series' step reached (an owner's, for its followers' log)
+    request: bytes = bytes(16)  # a hash of what this rank was asked (16 bytes)
     asked: str = ""  # what this rank was asked, for a message
 
     def encode(self) -> bytes:
         digest = self.digest.encode("ascii", "replace")[:96]
         asked = _line(self.asked, 128)
         message = _line(self.message, _MESSAGE_BYTES)
-        return (_HEAD.pack(self.rank, int(self.ok), int(self.follows), int(self.applied), int(self.prepared), digest,
-                           self.state, self.pid, self.changes_fd, self.request[:16], asked)
+        return (_HEAD.pack(self.rank, int(self.ok), int(self.follows), int(self.applied), int(self.prepared),
+                           int(self.reloaded), digest,
+                           self.state, self.pid, self.changes_fd, -1 if self.step is None else self.step,
+                           self.request[:16].ljust(16, b"\0"), asked)
                 + message).ljust(RECORD_BYTES, b"\0")
 
     @classmethod
     def decode(cls, raw: bytes) -> "Outcome":
-        rank, ok, follows, applied, prepared, digest, state, pid, changes_fd, request, asked = _HEAD.unpack_from(raw)
+        (rank, ok, follows, applied, prepared, reloaded, digest, state, pid, changes_fd, step, request,
+         asked) = _HEAD.unpack_from(raw)
         return cls(rank, bool(ok), digest.rstrip(b"\0").decode("ascii", "replace"), _text(raw[_HEAD.size:]),
-                   state, bool(follows), bool(applied), bool(prepared), pid, changes_fd, request.rstrip(b"\0"),
-                   _text(asked))
+                   state, bool(follows), bool(applied), bool(prepared), bool(reloaded), pid, changes_fd,
+                   None if step < 0 else step, request.ljust(16, b"\0"), _text(asked))
 
 
 def _line(text: str, limit: int) -> bytes:
@@ -110,6 +115,7 @@ class Verdict:
     refusal: str | None  # why no rank may go on (one line); None: every rank may
     speaks: bool  # whether this rank reports it: the last rank (module docstring, "One rank raises")
     owner: Outcome | None = None  # a follower's: its owner's outcome (what it reached, where its changes are)
+    outcomes: tuple = field(default=(), compare=False)  # every rank's, in rank order
 
 
 def refusal(mine: Outcome, outcomes: list[Outcome], consequence: str) -> str | None:
@@ -121,15 +127,21 @@ def refusal(mine: Outcome, outcomes: list[Outcome], consequence: str) -> str | N
     if len({o.digest == PREPARE for o in outcomes if o.ok}) > 1:
         return ("the engine's ranks were not all asked the same: some to prepare an update, others to take "
                 f"one, {consequence}")
-    owners = {o.state: o for o in outcomes if o.state and not o.follows}
+    owners: dict = {}
+    for o in outcomes:
+        if o.state and not o.follows and owners.setdefault(o.state, o) is not o:
+            return (f"ranks {owners[o.state].rank} and {o.rank} both own one shared host state (set "
+                    f"PULSEDIFF_VLLM_SHARE_HOST_STATE=0), {consequence}")
     for o in outcomes:  # what one state's ranks were asked first: that is why their verdicts differ
         owner = owners.get(o.state)
         if o.follows and owner is None:
             return (f"rank {o.rank} follows a shared host state that no rank of this engine holds (set "
                     f"PULSEDIFF_VLLM_SHARE_HOST_STATE=0 where engines on one machine were started alike), {consequence}")
+        # (`asked` is empty only where a request did not parse: that rank's own line says why)
         if o.follows and o.request != owner.request and o.asked and owner.asked:
+            hint = " (their keys, force or the operator's settings differ)" if o.asked == owner.asked else ""
             return (f"the engine's ranks were asked different updates (rank {owner.rank}: {owner.asked}; rank "
-                    f"{o.rank}: {o.asked}), {consequence}")
+                    f"{o.rank}: {o.asked}){hint}, {consequence}")
     failed = [o for o in outcomes if not o.ok]
     if failed:
         return f"rank {failed[0].rank} of this engine failed ({failed[0].message}), {consequence}"
@@ -147,4 +159,5 @@ def agree(mine: Outcome, groups: list, consequence: str = "so no rank took the u
     """`refusal` over the outcomes of every rank of the model replica (exchanged over `groups`)."""
     outcomes = [mine] if not groups else [Outcome.decode(raw) for raw in exchange(mine.encode(), groups)]
     owner = next((o for o in outcomes if mine.follows and o.state == mine.state and not o.follows), None)
-    return Verdict(refusal(mine, outcomes, consequence), mine.rank == max(o.rank for o in outcomes), owner)
+    return Verdict(refusal(mine, outcomes, consequence), mine.rank == max(o.rank for o in outcomes), owner,
+                   tuple(sorted(outcomes, key=lambda o: o.rank)))

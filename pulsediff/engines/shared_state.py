@@ -3,26 +3,28 @@
 Under tensor or pipeline parallelism every rank of a vLLM engine needs the checkpoint in host memory to
 decode patches against (engines/state.py). A copy per rank costs the model's size times the ranks (a 70B
 model at TP 8: 1.1 TB) and the same decode done once per rank. Here the first rank to start on a machine
-(the owner) reads the checkpoint into an anonymous shared-memory file (memfd) and decodes every update
-into it; the other ranks of the engine on that machine (followers) map the same pages and load their
-part of the model from them. The ranks still agree on every update (engines/agreement.py): a follower
-reports what its owner reached, so that all take the update or none does.
+(the owner) reads the checkpoint into an anonymous shared-memory file (memfd, sealed at its size) and
+decodes every update into it; the engine's other ranks on that machine (followers) map the same pages and
+load their part of the model from them. The ranks still agree on every update (engines/agreement.py): a
+follower reports what its owner reached, so that all take the update or none does.
 
 Finding each other needs no collective call (the state is read at the engine's start, on a thread of
 its own, where a collective would race vLLM's own): the ranks of one engine compute the same key
-(`replica_key`: the model folder, the process that started them, the replica's global ranks) and meet
-at a rendezvous file of that key in a folder of this user's. Whoever takes the file's lock owns the
-state; the lock is released by the kernel when its process ends, so a crashed owner never leaves one
-behind. The owner writes "pid fd id" to the file once its state is complete; a follower opens the memfd
-through /proc/<pid>/fd/<fd> and checks its header (magic and id) and table before mapping a tensor.
-The memfd's memory goes back to the system when the last rank that maps it ends.
+(`replica_key`: the model folder, the process that started them, the replica's block of global ranks,
+`replica_ranks`) and meet at a rendezvous file of that key in a folder of this user's. Whoever takes
+the file's lock owns the state; the kernel releases the lock when the owner's files close (its engine
+released, `release`, or its process ended; a child forked without exec would keep it), so a crashed
+owner leaves none behind. The owner writes "pid fd id" to the file once its state is complete; a
+follower checks what /proc/<pid>/fd/<fd> is before opening it, then its seals, header (magic and id)
+and table before mapping a tensor. The memfd's memory goes back once no rank maps it.
 
-Anything that keeps a rank from sharing (no memfd, /proc closed to it, a table that does not check)
-makes it read a private copy, as before, and say why: sharing saves memory, it never decides what the
-weights are.
+Anything that keeps a rank from sharing (no sealed memfd, no flock, /proc closed to it, a table that
+does not check) makes it read a private copy, as before, and say why: sharing saves memory, it never
+decides what the weights are.
 
-The changes of an update reach followers the same way: the owner writes them (name -> flat positions)
-to a memfd of their own, whose fd its agreement record carries (`publish_changes`, `read_changes`).
+The changes of an update reach followers the same way: the owner writes them (name -> flat positions),
+under the state's id and the update's target digest, to a memfd of their own whose fd its agreement
+record carries (`publish_changes`, `read_changes`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import json
 import math
 import mmap
 import os
+import re
 import secrets
 import stat
 import struct
@@ -45,8 +48,8 @@ import numpy as np
 
 from pulsediff.errors import PulsediffError
 
-__all__ = ["Sharing", "SharingUnavailable", "load_shared_host_state", "replica_key", "publish_changes",
-           "read_changes"]
+__all__ = ["Sharing", "SharingUnavailable", "load_shared_host_state", "replica_key", "replica_ranks",
+           "publish_changes", "read_changes", "release"]
 
 MAGIC = b"PDHOST01"
 CHANGES_MAGIC = b"PDCHNG01"
@@ -79,6 +82,19 @@ def replica_key(model_folder: str, ppid: int, ranks: list[int], extra: str = "")
     """A name the ranks of one engine replica on one machine compute alike, and other engines do not."""
     text = json.dumps([os.path.realpath(model_folder), os.getuid(), ppid, sorted(ranks), extra])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def replica_ranks(rank: int, coordinators: list) -> list[int] | None:
+    """The global ranks of this rank's model replica: vLLM lays the world out as (data-parallel, pipeline,
+    context, tensor) with the tensor rank fastest, so a replica is the aligned block of pp x pcp x tp ranks.
+    None where the groups' ranks do not fall in that block (another layout: no sharing)."""
+    size = 1
+    for c in coordinators:
+        size *= c.world_size
+    block = list(range(rank // size * size, rank // size * size + size))
+    if not all(int(r) in block for c in coordinators for r in c.ranks):
+        return None
+    return block
 
 
 def rendezvous_folder() -> Path:
@@ -165,17 +181,25 @@ def _entries(folder: Path) -> list[tuple[str, str, list[int], int]]:
     return out
 
 
-def load_shared_host_state(folder, key: str):
+def load_shared_host_state(folder, key: str, waiting=None):
     """(HostState, Sharing): this rank's view of the machine's one host state of `key` (owner or
-    follower). SharingUnavailable (the caller reads a private copy) where it cannot share."""
+    follower). SharingUnavailable (the caller reads a private copy) where it cannot share; the
+    checkpoint's own errors (PulsediffError) as they are. `waiting(seconds, holder)` is called every
+    WAIT_NOTE_S while a follower waits for its owner to finish reading the checkpoint."""
     path = rendezvous_folder() / f"{key}.rendezvous"
     while True:
         try:
-            lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         except OSError as exc:
             raise SharingUnavailable(f"{path}: {exc.strerror or exc}") from None
         try:
-            found = _meet(Path(folder), path, lock_fd)
+            found = _meet(Path(folder), path, lock_fd, waiting)
+        except PulsediffError:  # the checkpoint's own (some are OSErrors too): as they are
+            os.close(lock_fd)
+            raise
+        except OSError as exc:  # flock or memfd refused, /proc closed: sharing is off, a private copy is not
+            os.close(lock_fd)
+            raise SharingUnavailable(f"{type(exc).__name__}: {exc}") from None
         except BaseException:
             os.close(lock_fd)
             raise
@@ -186,11 +210,17 @@ def load_shared_host_state(folder, key: str):
         os.close(lock_fd)  # swept away as we opened it: meet at the new file
 
 
-def _meet(folder: Path, path: Path, lock_fd: int):
+WAIT_NOTE_S = 30.0
+_LINE = re.compile(rb"([1-9][0-9]{0,9}) ([0-9]{1,9}) ([1-9][0-9]{0,18})\n")  # pid, fd, state id: complete
+
+
+def _meet(folder: Path, path: Path, lock_fd: int, waiting):
     """Own the state (the lock is free) or follow its owner; None where the file was replaced meanwhile."""
-    if os.fstat(lock_fd).st_uid != os.getuid():
-        raise SharingUnavailable(f"{path} is not this user's")
-    unopenable_since = None
+    info = os.fstat(lock_fd)
+    if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode):
+        raise SharingUnavailable(f"{path} is not a file of this user's")
+    started = time.monotonic()
+    noted = unopenable_since = None
     while True:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -199,12 +229,16 @@ def _meet(folder: Path, path: Path, lock_fd: int):
         else:
             # A failure here closes the file (the caller), and its lock goes to a waiting follower.
             return _own(folder, lock_fd) if _still_named(path, lock_fd) else None
-        line = os.pread(lock_fd, 200, 0).decode("ascii", "replace")
-        try:
-            pid, fd, state_id = (int(x) for x in line.split())
-        except ValueError:  # still loading (empty), or a line written as we read it
+        line = os.pread(lock_fd, 200, 0)
+        found = _LINE.fullmatch(line)
+        if found is None:  # still loading ("loading PID"), or a line written as we read it
+            waited = time.monotonic() - started
+            if waiting is not None and waited >= (noted or 0) + WAIT_NOTE_S:
+                noted = waited
+                waiting(waited, line.decode("ascii", "replace").strip())
             time.sleep(0.05)
             continue
+        pid, fd, state_id = (int(x) for x in found.groups())
         try:
             return _follow(pid, fd, state_id)
         except FileNotFoundError:  # an old owner's line, before its successor's truncation
@@ -212,6 +246,9 @@ def _meet(folder: Path, path: Path, lock_fd: int):
             if time.monotonic() - unopenable_since > UNOPENABLE_WAIT_S:
                 raise SharingUnavailable(f"the owner named by {path} ({line.strip()}) is gone") from None
             time.sleep(0.05)
+
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
 def _own(folder: Path, lock_fd: int):
@@ -222,15 +259,17 @@ def _own(folder: Path, lock_fd: int):
     import torch
 
     os.ftruncate(lock_fd, 0)  # a dead owner's line goes: followers wait for this state
+    os.pwrite(lock_fd, f"loading {os.getpid()}".encode(), 0)  # (no newline: not a complete line)
     _sweep(Path(f"/proc/self/fd/{lock_fd}").resolve().parent)
-    if not hasattr(os, "memfd_create"):
-        raise SharingUnavailable("this system has no memfd_create")
-    state_id = secrets.randbits(63)
+    if not hasattr(os, "memfd_create") or not SEALS:
+        raise SharingUnavailable("this system has no sealed memfd")
+    state_id = secrets.randbits(63) | 1  # never 0, which marks a private state
     entries = _entries(folder)
     head, table, size = _layout(entries, state_id)
-    memfd = os.memfd_create("pulsediff-host-state", os.MFD_CLOEXEC)
+    memfd = os.memfd_create("pulsediff-host-state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(memfd, size)
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, SEALS)  # its size is fixed: a follower's pages never vanish
         mapping = mmap.mmap(memfd, size)
         mapping[:len(head)] = head
         start = _data_start(len(head) - _HEAD.size)
@@ -246,6 +285,7 @@ def _own(folder: Path, lock_fd: int):
         os.close(memfd)
         raise
     line = f"{os.getpid()} {memfd} {state_id}\n".encode()
+    os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, line, 0)  # complete: followers may map it
     return state, Sharing(state_id, os.getpid(), True, memfd, lock_fd, mapping)
 
@@ -284,18 +324,27 @@ def _follow(pid: int, fd: int, state_id: int):
 
     import torch
 
+    where = f"/proc/{pid}/fd/{fd}"
     try:
-        memfd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        target = os.readlink(where)  # what it is, before opening it (a stale line's fd may be anything)
     except PermissionError as exc:
-        raise SharingUnavailable(f"/proc/{pid}/fd/{fd}: {exc.strerror}") from None
+        raise SharingUnavailable(f"{where}: {exc.strerror}") from None
+    if not target.startswith("/memfd:pulsediff-host-state"):
+        raise SharingUnavailable(f"{where} is not a pulsediff host state")
+    memfd = os.open(where, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     try:
         if not os.readlink(f"/proc/self/fd/{memfd}").startswith("/memfd:pulsediff-host-state"):
-            raise SharingUnavailable(f"/proc/{pid}/fd/{fd} is not a pulsediff host state")
+            raise SharingUnavailable(f"{where} is not a pulsediff host state")
         size = os.fstat(memfd).st_size
+        if fcntl.fcntl(memfd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+            raise SharingUnavailable(f"{where} is not sealed at its size")
         magic, found_id, table_len = _HEAD.unpack(os.pread(memfd, _HEAD.size, 0).ljust(_HEAD.size, b"\0"))
-        if magic != MAGIC or found_id != state_id or not 0 < table_len <= min(MAX_TABLE_BYTES, size):
-            raise SharingUnavailable(f"/proc/{pid}/fd/{fd} is not the host state its rendezvous names")
-        table = _checked_table(os.pread(memfd, table_len, _HEAD.size), size)
+        if magic != MAGIC or found_id != state_id or not 0 < table_len <= min(MAX_TABLE_BYTES, size - _HEAD.size):
+            raise SharingUnavailable(f"{where} is not the host state its rendezvous names")
+        raw = os.pread(memfd, table_len, _HEAD.size)
+        if len(raw) != table_len:
+            raise SharingUnavailable(f"{where}: its table is cut short")
+        table = _checked_table(raw, size)
         mapping = mmap.mmap(memfd, size)
         tensors = _tensors_over(mapping, table, _data_start(table_len), torch)
     except BaseException:
@@ -306,33 +355,50 @@ def _follow(pid: int, fd: int, state_id: int):
         state_id, pid, False, memfd, mapping=mapping)
 
 
+def release(sharing: Sharing) -> None:
+    """Close this rank's files of the shared state (the owner's lock goes with them). Its tensors stay
+    valid while the mapping lives; the memory goes back once no rank maps it."""
+    close_changes(sharing)
+    for fd in (sharing.memfd, sharing.lock_fd):
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    sharing.memfd = sharing.lock_fd = -1
+
+
 # -- an update's changes, from the owner to its followers ---------------------------------------------------
 
-_CHANGES_HEAD = struct.Struct("<8sQ")  # magic, entries; then (tensor index, count or -1) per entry; positions
+# magic, the state's id, the target digest the changes lead to (ASCII, zero-padded), entries; then (tensor index,
+# count or -1: the whole tensor) per entry, then every entry's positions (int64) in entry order
+_CHANGES_HEAD = struct.Struct("<8sQ96sQ")
 
 
-def publish_changes(sharing: Sharing, names: list[str], changes: dict) -> int:
-    """Write `changes` (name -> int64 flat positions, or None: the whole tensor) to a memfd of their own and
-    return its fd; the previous update's is closed."""
+def publish_changes(sharing: Sharing, names: list[str], changes: dict, digest: str) -> int:
+    """Write `changes` (name -> int64 flat positions, or None: the whole tensor) of the update to `digest` to
+    a memfd of their own and return its fd; the previous update's is closed."""
     close_changes(sharing)
     index = {name: i for i, name in enumerate(names)}
     rows = np.array([(index[name], -1 if p is None else len(p)) for name, p in changes.items()], np.int64)
-    rows = rows.reshape(-1, 2)
-    parts = [np.asarray(p, np.int64) for p in changes.values() if p is not None]
-    positions = np.concatenate(parts) if parts else np.empty(0, np.int64)
     fd = os.memfd_create("pulsediff-changes", os.MFD_CLOEXEC)
     try:
-        head = _CHANGES_HEAD.pack(CHANGES_MAGIC, len(rows))
-        os.write(fd, head)
-        os.write(fd, rows.tobytes())
-        view = memoryview(positions.view(np.uint8))
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, _CHANGES_HEAD.pack(CHANGES_MAGIC, sharing.state_id, digest.encode("ascii")[:96], len(rows)))
+        _write_all(fd, rows.reshape(-1, 2).tobytes())
+        for positions in changes.values():  # one part at a time: no second copy of them all
+            if positions is not None:
+                _write_all(fd, np.ascontiguousarray(positions, np.int64).view(np.uint8))
     except BaseException:
         os.close(fd)
         raise
     sharing.changes_fd = fd
     return fd
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def close_changes(sharing: Sharing) -> None:
@@ -341,33 +407,42 @@ def close_changes(sharing: Sharing) -> None:
         sharing.changes_fd = -1
 
 
-def read_changes(pid: int, fd: int, tensors: dict) -> dict:
-    """A follower's read of the changes its owner published: checked against the state's tensors (indices,
-    counts, positions in range, the sizes adding up); PulsediffError where anything does not."""
+def read_changes(pid: int, fd: int, tensors: dict, state_id: int, digest: str) -> dict:
+    """A follower's read of the changes its owner published for the update to `digest` of the state
+    `state_id`: checked against the state's tensors (indices, counts, positions in range, the sizes adding
+    up); PulsediffError where anything does not."""
     names = list(tensors)
     where = f"/proc/{pid}/fd/{fd}"
     try:
-        with open(where, "rb") as f:
-            raw = bytearray(f.read())  # writable: the positions go to torch.from_numpy
+        if not os.readlink(where).startswith("/memfd:pulsediff-changes"):
+            raise PulsediffError(f"{where} is not an update's changes")
+        handle = os.open(where, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        try:
+            size = os.fstat(handle).st_size
+            raw = bytearray(size)  # writable: the positions go to torch.from_numpy
+            got = os.preadv(handle, [raw], 0) if size else 0
+        finally:
+            os.close(handle)
     except OSError as exc:
         raise PulsediffError(f"the update's changes could not be read from its owner ({where}: {exc})") from None
-    if len(raw) < _CHANGES_HEAD.size:
+    if got != size or size < _CHANGES_HEAD.size:
         raise PulsediffError(f"{where} holds no changes record")
-    magic, count = _CHANGES_HEAD.unpack_from(raw)
-    rows_end = _CHANGES_HEAD.size + 16 * count
-    if magic != CHANGES_MAGIC or rows_end > len(raw):
+    magic, found_state, found_digest, count = _CHANGES_HEAD.unpack_from(raw)
+    rows_end = _CHANGES_HEAD.size + 16 * count if count <= size else size + 1
+    if magic != CHANGES_MAGIC or rows_end > size or (size - rows_end) % 8:
         raise PulsediffError(f"{where} is not a changes record")
+    if found_state != state_id or found_digest.rstrip(b"\0").decode("ascii", "replace") != digest:
+        raise PulsediffError(f"{where} holds the changes of another update than the one agreed on")
     rows = np.frombuffer(raw, np.int64, 2 * count, _CHANGES_HEAD.size).reshape(-1, 2)
-    positions = np.frombuffer(raw, np.int64, (len(raw) - rows_end) // 8, rows_end)
-    if (len(raw) - rows_end) % 8 or len(np.unique(rows[:, 0])) != count or (count and (
-            rows[:, 0].min() < 0 or rows[:, 0].max() >= len(names) or rows[:, 1].min() < -1)):
+    positions = np.frombuffer(raw, np.int64, (size - rows_end) // 8, rows_end)
+    if len(np.unique(rows[:, 0])) != count or (count and (rows[:, 0].min() < 0 or rows[:, 0].max() >= len(names))):
         raise PulsediffError(f"{where}: a bad changes record")
-    if int(np.maximum(rows[:, 1], 0).sum()) != positions.size:
-        raise PulsediffError(f"{where}: the changes' counts do not add up to its positions")
     out, at = {}, 0
     for i, n in rows.tolist():
         name = names[i]
-        if n < 0:
+        if n < -1 or n > tensors[name].numel() or at + n > positions.size:
+            raise PulsediffError(f"{where}: a bad changes record (the count of {name!r})")
+        if n == -1:
             out[name] = None
             continue
         part = positions[at:at + n]
@@ -375,4 +450,6 @@ def read_changes(pid: int, fd: int, tensors: dict) -> dict:
         if n and (part.min() < 0 or part.max() >= tensors[name].numel()):
             raise PulsediffError(f"{where}: a change of {name!r} lies outside it")
         out[name] = part
+    if at != positions.size:
+        raise PulsediffError(f"{where}: the changes' counts do not add up to its positions")
     return out

@@ -16,7 +16,8 @@ point, so every vLLM process finds it without an import by hand. Then, offline o
 
 An update may be prepared ahead: the same request with "prepare": true (in a session of its own,
 without pausing: it returns at once) starts the fetch, the checks and the decode on a thread of
-each worker while the engine goes on serving; the update of the same source then waits for it and
+each worker that decodes (one per machine where the ranks share a host state) while the engine goes on
+serving; the update of the same source then waits for it and
 goes on from there, so that the engine stops for the load alone (`prepare_llm`, `vllm-sync
 --prepare-ahead`). Nothing is loaded, and nothing the engine serves changes, until that update.
 
@@ -62,10 +63,12 @@ What happens, in order:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +90,9 @@ from pulsediff.engines.shared_state import (
     load_shared_host_state,
     publish_changes,
     read_changes,
+    release,
     replica_key,
+    replica_ranks,
 )
 from pulsediff.engines.state import Advance, HostState, load_host_state, parse_update_request
 from pulsediff.engines.vllm_client import KEPT, UNDEFINED
@@ -130,6 +135,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         super().__init__(config, vllm_config, device, model)
         self.state: HostState | None = None
         self.sharing: Sharing | None = None  # this rank's part in the machine's one host state (None: its own)
+        self.engine_number = next(_ENGINES)
         self.engine_stale = False  # the engine's weights are not the host state's (a load failed part-way)
         self.last_load = ""  # "reload" or "sparse": how the last update reached the engine
         self.reload_reason: str | None = None  # in_place_ok's finding, made once: "" where updates go in sparse
@@ -227,7 +233,7 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             state.commit()
         else:  # a follower: what its owner reached, in the host state they share
             owner = verdict.owner
-            advance = Advance("applied" if owner.applied else "up-to-date", None, owner.digest, links=0,
+            advance = Advance("applied" if owner.applied else "up-to-date", owner.step, owner.digest, links=0,
                               prepared=owner.prepared)
         if advance.status == "up-to-date" and not self.engine_stale:
             return
@@ -239,12 +245,16 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             changes = None if everything else advance.changes
             if self.follower and not everything and self.in_place_ok():
                 owner = verdict.owner  # no changes published (the owner loads every tensor): so does this rank
-                changes = None if owner.changes_fd < 0 else read_changes(owner.pid, owner.changes_fd, state.tensors)
+                changes = None if owner.changes_fd < 0 else read_changes(owner.pid, owner.changes_fd, state.tensors,
+                                                                         owner.state, owner.digest)
             self.load(state, changes)
         except BaseException as exc:
             failure = f"the engine failed while loading verified weights ({type(exc).__name__}: {exc})"
         # Agreed again: a rank whose load failed leaves the model part old, part new on every rank.
-        verdict = self.agreed(Outcome(self.rank, not failure, advance.digest, failure), "so the update is incomplete")
+        verdict = self.agreed(Outcome(self.rank, not failure, advance.digest, failure, reloaded=self.last_load == "reload"),
+                              "so the update is incomplete")
+        if self.sharing is not None and self.sharing.owner and any(o.reloaded for o in verdict.outcomes):
+            state.sums.clear()  # another rank handed vLLM's reload these tensors (load(): nothing vouches for them)
         if verdict.refusal is not None:
             return self.refuse(verdict, UNDEFINED)
         self.engine_stale = False
@@ -275,16 +285,16 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
             return Outcome(self.rank, True, PREPARE if prepare else "", state=sharing.state_id, follows=True,
                            request=hashed, asked=asked)
         fd, applied = -1, advance is not None and advance.status == "applied"
-        if applied and not self.engine_stale and self.in_place_ok():
-            try:
-                fd = publish_changes(sharing, list(state.tensors), advance.changes)
-            except Exception as exc:  # noqa: BLE001 - this rank's failure: every rank refuses, this one reverts
-                return Outcome(self.rank, False, "", f"the update's changes could not be shared with this machine's "
-                               f"other ranks ({type(exc).__name__}: {exc})", state=sharing.state_id, request=hashed,
-                               asked=asked)
+        try:  # (every rank must reach the agreement: a failure here is this rank's outcome, and it reverts)
+            if applied and not self.engine_stale and self.in_place_ok():
+                fd = publish_changes(sharing, list(state.tensors), advance.changes, advance.digest)
+        except Exception as exc:  # noqa: BLE001
+            return Outcome(self.rank, False, "", f"the update's changes could not be shared with this machine's "
+                           f"other ranks ({type(exc).__name__}: {exc})", state=sharing.state_id, request=hashed,
+                           asked=asked)
         return Outcome(self.rank, True, PREPARE if prepare else advance.digest, state=sharing.state_id, applied=applied,
-                       prepared=bool(advance and advance.prepared), pid=os.getpid(), changes_fd=fd, request=hashed,
-                       asked=asked)
+                       prepared=bool(advance and advance.prepared), pid=os.getpid(), changes_fd=fd,
+                       step=advance.step if advance else None, request=hashed, asked=asked)
 
     def prepare(self, state: HostState | None, request: tuple, mine: Outcome) -> None:
         """update_info's "prepare": start verifying and decoding the update in the background
@@ -360,7 +370,8 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                 key = self.share_key(folder)
                 if key is not None:
                     try:
-                        self.state, self.sharing = load_shared_host_state(folder, key)
+                        self.state, self.sharing = load_shared_host_state(folder, key, waiting=self._waiting)
+                        weakref.finalize(self, release, self.sharing)  # an engine made again: its lock, its memory
                         logger.info("pulsediff: rank %d %s this machine's host state (%.2f GB)", self.rank,
                                     "owns" if self.sharing.owner else "maps", self.state.nbytes / 1e9)
                     except SharingUnavailable as exc:
@@ -369,21 +380,34 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
                     self.state = load_host_state(folder)
             return self.state
 
+    def _waiting(self, seconds: float, holder: str) -> None:
+        logger.info("pulsediff: rank %d has waited %.0f s for the rank that reads this machine's host state (%s)",
+                    self.rank, seconds, holder or "starting")
+
     def share_key(self, folder: Path) -> str | None:
         """The name under which this engine's ranks on one machine share one host state
         (shared_state.replica_key), or None: one rank; Ray's workers, whose parent process every engine
         on the machine shares; or the operator's PULSEDIFF_VLLM_SHARE_HOST_STATE=0."""
         coordinators = self.coordinators()
-        if not coordinators or os.environ.get(SHARE_ENV, "1") == "0":
+        if not coordinators:
             return None
         config = self.parallel_config
-        if config.distributed_executor_backend not in ("mp", "external_launcher"):
+        if os.environ.get(SHARE_ENV, "1") == "0" or config.distributed_executor_backend not in ("mp", "external_launcher"):
+            logger.info("pulsediff: rank %d keeps a host copy of its own (%s)", self.rank,
+                        f"{SHARE_ENV}=0" if os.environ.get(SHARE_ENV) == "0"
+                        else f"the {config.distributed_executor_backend} executor's workers do not share one")
             return None
-        ranks = sorted({int(r) for c in coordinators for r in c.ranks})
+        import torch.distributed as dist
+
+        ranks = replica_ranks(dist.get_rank(), coordinators)
+        if ranks is None:
+            logger.info("pulsediff: rank %d keeps a host copy of its own (its groups are not vLLM's layout)", self.rank)
+            return None
         # torchrun's workers (external_launcher) share a parent across the replicas of its job: its run id and
         # the replica's ranks tell them apart; vLLM's multiprocess executor starts each engine's workers itself.
+        # The count of engines this process made tells an engine made again in the same processes from the last.
         extra = repr((getattr(config, "data_parallel_rank", 0), os.environ.get("TORCHELASTIC_RUN_ID"),
-                      os.environ.get("MASTER_PORT")))
+                      os.environ.get("MASTER_PORT"), self.engine_number))
         return replica_key(str(folder), os.getppid(), ranks, extra)
 
     @property
@@ -530,6 +554,9 @@ def _warm_up(dtypes: set) -> None:
         logger.info("pulsediff: update kernels loaded in %.2f s", warm_up(dtypes, check=CHECK))
     except Exception as exc:  # noqa: BLE001 - a warm-up only saves time: the updates load what they need
         logger.warning("pulsediff: the update kernels were not loaded ahead (%s: %s)", type(exc).__name__, exc)
+
+
+_ENGINES = itertools.count()  # engines made in this process (shared_state's key tells them apart)
 
 
 def _asked(request: tuple, prepare: bool) -> str:
