@@ -19,14 +19,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
-from bench_vllm import SHAPE  # noqa: E402
+from bench_vllm import qwen2_series  # noqa: E402
 
 
 def run(train: Path, outbox: Path, work: Path, share: bool) -> list[dict]:
@@ -49,15 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path)
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny Qwen2 shape: checks the script runs")
     args = ap.parse_args(argv)
-    from engine_series import make_series, publish
-
     work = args.work or Path(tempfile.mkdtemp(prefix="pulsediff-bench-tp-"))
-    work.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    train = make_series("qwen2", work, 2, shape=None if args.tiny else {**SHAPE, "num_hidden_layers": args.layers})
-    outbox = publish(train, work / "outbox", "--anchor-every", "1000")
-    size = (train / "step_000000" / "model.safetensors").stat().st_size
-    print(f"series of 3 steps ({size / 1e9:.2f} GB each) made in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    train, outbox, size = qwen2_series(work, 2, args.layers, args.tiny)
     print(f"\nQwen2-shaped, {size / 1e9:.2f} GB BF16, tensor parallel over 2 ranks; vLLM "
           f"{__import__('vllm').__version__}, {os.cpu_count()} cores. GB of each rank (rank 0 / rank 1):\n")
     print("| host state | when | update | role | VmRSS | RssAnon | RssShmem | Pss | Pss of both ranks |")

@@ -126,6 +126,21 @@ def decode_rounds(train: Path, outbox: Path, rounds: int) -> dict[str, list[floa
     return times
 
 
+def qwen2_series(work: Path, steps: int, layers: int, tiny: bool) -> tuple[Path, Path, int]:
+    """A Qwen2-shaped series of `steps` steps after step 0 in `work` (the tests' tiny shape with `tiny`),
+    published: (train folder, outbox, one checkpoint's bytes)."""
+    from engine_series import make_series, publish
+
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    train = make_series("qwen2", work, steps, shape=None if tiny else {**SHAPE, "num_hidden_layers": layers})
+    outbox = publish(train, work / "outbox", "--anchor-every", "1000")
+    size = (train / "step_000000" / "model.safetensors").stat().st_size
+    print(f"series of {steps + 1} steps ({size / 1e9:.2f} GB each) made in {time.perf_counter() - start:.0f} s",
+          file=sys.stderr)
+    return train, outbox, size
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -133,17 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path)
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny Qwen2 shape: checks the script runs")
     args = ap.parse_args(argv)
-    from engine_series import make_series, publish
-
     work = args.work or Path(tempfile.mkdtemp(prefix="pulsediff-bench-vllm-"))
-    work.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    shape = None if args.tiny else {**SHAPE, "num_hidden_layers": args.layers}
-    train = make_series("qwen2", work, 2 * args.rounds, shape=shape)
-    outbox = publish(train, work / "outbox", "--anchor-every", "1000")
-    size = (train / "step_000000" / "model.safetensors").stat().st_size
-    print(f"series of {2 * args.rounds + 1} steps ({size / 1e9:.2f} GB each) made in {time.perf_counter() - start:.0f} s",
-          file=sys.stderr)
+    train, outbox, size = qwen2_series(work, 2 * args.rounds, args.layers, args.tiny)
     patch_bytes = statistics.median((outbox / f"patch-{r:08d}-{r + 1:08d}.pulsediff").stat().st_size
                                     for r in range(args.rounds))
     engine = engine_rounds(train, outbox, args.rounds, work)
