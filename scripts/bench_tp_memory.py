@@ -33,7 +33,8 @@ def run(train: Path, outbox: Path, work: Path, share: bool) -> list[dict]:
     for step in (1, 2):
         actions += [{"timed_update": [{"source": str(outbox), "step": step}], "what": f"step {step}"},
                     {"memory": f"after step {step}"}]
-    plan = {"model": str(train / "step_000000"), "backend": "pulsediff", "tp": 2, "actions": actions}
+    # init_weight_transfer_engine first: the first update then does not wait for the warm-up
+    plan = {"model": str(train / "step_000000"), "backend": "pulsediff", "tp": 2, "init": True, "actions": actions}
     (work / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "PULSEDIFF_VLLM_SHARE_HOST_STATE": "1" if share else "0"}
     with open(work / f"engine-{'shared' if share else 'private'}.log", "w") as log:
