@@ -61,4 +61,5 @@ def test_the_stored_warm_up_patches_are_what_make_writes_today():
 
     stored = resources.files("pulsediff.ops") / "warm_patches"
     for width in WIDTHS:
-        assert (stored / warm_patch_name(width)).read_bytes() == make_patch_bytes(*warm_pair(width)), width
+        assert (stored / warm_patch_name(width)).read_bytes() == make_patch_bytes(*warm_pair(width)), \
+            f"the stored warm-up patch of width {width} is not what make writes: run scripts/make_warm_patches.py"
