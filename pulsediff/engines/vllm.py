@@ -151,11 +151,12 @@ class PulsediffWeightTransferEngine(WeightTransferEngine[PulsediffInitInfo, Puls
         self._warming.start()
 
     def _ready(self, dtypes: set) -> None:
-        _warm_up(dtypes)
         try:
             self.host_state()
         except Exception as exc:  # noqa: BLE001 - the first update reads it again and says what is wrong
             logger.warning("pulsediff: the host state was not read ahead (%s: %s)", type(exc).__name__, exc)
+        if not self.follower:  # a follower decodes nothing: its owner runs the kernels
+            _warm_up(dtypes)
 
     # -- the four calls -----------------------------------------------------------------------
 
