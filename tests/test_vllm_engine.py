@@ -484,7 +484,10 @@ def test_readme_blocks_run_as_written_in_one_folder(tmp_path):
     at = next(i for i, line in enumerate(lines) if line.startswith('{"weight_version"'))
     assert json.loads(lines[at])["weight_version"] == "2"
     assert re.fullmatch(r"( ?w\d+){8}", lines[at - 1]), lines[at - 1]  # 8 words of the example's vocabulary
-    assert "Traceback" not in log and "step 2 verified and decoded" in log
+    # Up to the block's `kill $SERVE`: vLLM's own shutdown can race its engine core's SIGTERM and log
+    # AsyncLLM's EngineDeadError with a traceback (seen once in 3 runs, after the update and the query).
+    serving = log.split("[shutdown]", 1)[0]
+    assert "Traceback" not in serving and "step 2 verified and decoded" in serving
     assert "RotaryEmbedding: Failed to load weights" not in log or "the rotary cache is computed" in log
 
 
