@@ -176,7 +176,7 @@ def test_a_followers_checks_of_the_table():
 
 def test_changes_records_are_checked_before_use(tmp_path):
     tensors = {"a": torch.zeros(10), "b": torch.zeros(4)}
-    sharing = shared_state.Sharing(5, os.getpid(), True, -1)
+    sharing = shared_state.Sharing(5, True, -1)
     changes = {"a": np.array([1, 9], np.int64), "b": None}
     fd = publish_changes(sharing, list(tensors), changes, "xxh3tree:" + "a" * 32)
     got = read_changes(os.getpid(), fd, tensors, 5, "xxh3tree:" + "a" * 32)

@@ -70,7 +70,6 @@ class Sharing:
     """This rank's part in a shared host state."""
 
     state_id: int  # random, 63 bits: what a follower's agreement record names
-    owner_pid: int
     owner: bool
     memfd: int  # the state's memfd (owner) or this rank's own open of it (follower)
     lock_fd: int = -1  # the rendezvous file, locked for the owner's lifetime
@@ -167,20 +166,6 @@ def _checked_table(raw: bytes, size: int) -> list:
     return table
 
 
-def _entries(folder: Path) -> list[tuple[str, str, list[int], int]]:
-    from pulsediff.errors import UsageError
-    from pulsediff.io.checkpoint import Checkpoint
-
-    out = []
-    with Checkpoint(folder) as ckpt:
-        for name in ckpt.names:
-            entry = ckpt.entry(name)
-            if not entry.dtype.torch_name:
-                raise UsageError(f"{folder}: tensor {name!r} is {entry.dtype.name}, which torch cannot hold")
-            out.append((name, entry.dtype.torch_name, list(entry.shape), entry.nbytes))
-    return out
-
-
 def load_shared_host_state(folder, key: str, waiting=None):
     """(HostState, Sharing): this rank's view of the machine's one host state of `key` (owner or
     follower). SharingUnavailable (the caller reads a private copy) where it cannot share; the
@@ -228,7 +213,7 @@ def _meet(folder: Path, path: Path, lock_fd: int, waiting):
             pass  # an owner is alive: follow it once its state is complete
         else:
             # A failure here closes the file (the caller), and its lock goes to a waiting follower.
-            return _own(folder, lock_fd) if _still_named(path, lock_fd) else None
+            return _own(folder, path, lock_fd) if _still_named(path, lock_fd) else None
         line = os.pread(lock_fd, 200, 0)
         found = _LINE.fullmatch(line)
         if found is None:  # still loading ("loading PID"), or a line written as we read it
@@ -251,43 +236,38 @@ def _meet(folder: Path, path: Path, lock_fd: int, waiting):
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
-def _own(folder: Path, lock_fd: int):
-    from pulsediff.engines.state import HostState
+def _own(folder: Path, path: Path, lock_fd: int):
+    from pulsediff.engines.state import host_entries, host_state_over
     from pulsediff.io.checkpoint import Checkpoint
-    from pulsediff.ops.live import state_dict_digest
 
     import torch
 
     os.ftruncate(lock_fd, 0)  # a dead owner's line goes: followers wait for this state
     os.pwrite(lock_fd, f"loading {os.getpid()}".encode(), 0)  # (no newline: not a complete line)
-    _sweep(Path(f"/proc/self/fd/{lock_fd}").resolve().parent)
+    _sweep(path.parent)
     if not hasattr(os, "memfd_create") or not SEALS:
         raise SharingUnavailable("this system has no sealed memfd")
     state_id = secrets.randbits(63) | 1  # never 0, which marks a private state
-    entries = _entries(folder)
-    head, table, size = _layout(entries, state_id)
-    memfd = os.memfd_create("pulsediff-host-state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(memfd, size)
-        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, SEALS)  # its size is fixed: a follower's pages never vanish
-        mapping = mmap.mmap(memfd, size)
-        mapping[:len(head)] = head
-        start = _data_start(len(head) - _HEAD.size)
-        with Checkpoint(folder) as ckpt:
+    with Checkpoint(folder) as ckpt:
+        head, table, size = _layout(host_entries(ckpt, folder), state_id)
+        memfd = os.memfd_create("pulsediff-host-state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(memfd, size)
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, SEALS)  # its size is fixed: a follower's pages never vanish
+            mapping = mmap.mmap(memfd, size)
+            mapping[:len(head)] = head
+            start = _data_start(len(head) - _HEAD.size)
             for (name, _, _, offset, nbytes) in table:
                 if nbytes:
                     np.frombuffer(mapping, np.uint8, nbytes, start + offset)[:] = ckpt.raw_bytes(name)
-        tensors = _tensors_over(mapping, table, start, torch)
-        if not tensors:
-            raise PulsediffError(f"{folder} holds no tensors")
-        state = HostState(tensors, state_dict_digest(tensors), origin=str(folder))
-    except BaseException:
-        os.close(memfd)
-        raise
+            state = host_state_over(_tensors_over(mapping, table, start, torch), folder)
+        except BaseException:
+            os.close(memfd)
+            raise
     line = f"{os.getpid()} {memfd} {state_id}\n".encode()
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, line, 0)  # complete: followers may map it
-    return state, Sharing(state_id, os.getpid(), True, memfd, lock_fd, mapping)
+    return state, Sharing(state_id, True, memfd, lock_fd, mapping)
 
 
 def _still_named(path: Path, fd: int) -> bool:
@@ -352,7 +332,7 @@ def _follow(pid: int, fd: int, state_id: int):
         raise
     # The digest is the owner's to keep: a follower never decodes (HostState.digest None: unknown).
     return HostState(tensors, None, origin=f"rank pid {pid}'s shared host state"), Sharing(
-        state_id, pid, False, memfd, mapping=mapping)
+        state_id, False, memfd, mapping=mapping)
 
 
 def release(sharing: Sharing) -> None:

@@ -313,18 +313,32 @@ def load_host_state(folder: str | os.PathLike) -> HostState:
     import torch
 
     from pulsediff.io.checkpoint import Checkpoint
-    from pulsediff.ops.live import state_dict_digest
 
     path = Path(folder)
     tensors = {}
     with Checkpoint(path) as ckpt:
-        for name in ckpt.names:
-            entry = ckpt.entry(name)
+        for name, dtype, shape, _ in host_entries(ckpt, path):
             raw = np.array(ckpt.raw_bytes(name), copy=True)  # a private copy: the file's pages stay untouched
-            dtype = getattr(torch, entry.dtype.torch_name) if entry.dtype.torch_name else None
-            if dtype is None:
-                raise UsageError(f"{path}: tensor {name!r} is {entry.dtype.name}, which torch cannot hold")
-            tensors[name] = torch.from_numpy(raw).view(dtype).reshape(entry.shape)
+            tensors[name] = torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+    return host_state_over(tensors, path)
+
+
+def host_entries(ckpt, path: Path) -> list[tuple[str, str, list[int], int]]:
+    """(name, torch dtype name, shape, bytes) of each tensor of an open Checkpoint, in its order;
+    UsageError for a tensor of a dtype torch cannot hold."""
+    out = []
+    for name in ckpt.names:
+        entry = ckpt.entry(name)
+        if not entry.dtype.torch_name:
+            raise UsageError(f"{path}: tensor {name!r} is {entry.dtype.name}, which torch cannot hold")
+        out.append((name, entry.dtype.torch_name, list(entry.shape), entry.nbytes))
+    return out
+
+
+def host_state_over(tensors: dict, path: Path) -> HostState:
+    """A HostState of the tensors just read from `path`, with their digest; refused where there are none."""
+    from pulsediff.ops.live import state_dict_digest
+
     if not tensors:
         raise PulsediffError(f"{path} holds no tensors")
     return HostState(tensors, state_dict_digest(tensors), origin=str(path))
