@@ -78,11 +78,12 @@ class NotAPatchError(InvalidPatchError):
 
 
 class UnsupportedVersionError(InvalidPatchError):
-    def __init__(self, major: int, minor: int, supported: int):
+    def __init__(self, major: int, minor: int, supported: tuple[int, ...]):
         self.major, self.minor = major, minor
+        majors = " and ".join(map(str, supported))
         super().__init__(
             f"patch format version {major}.{minor} is not supported "
-            f"(this pulsediff reads major version {supported}); upgrade pulsediff"
+            f"(this pulsediff reads major version{'s' if len(supported) > 1 else ''} {majors}); upgrade pulsediff"
         )
 
 

@@ -11,6 +11,7 @@ is that patches written by an old pulsediff keep applying, byte for byte.
     python scripts/make_golden.py tests/golden/v1.3    # format 1.3: codec ctx-ac
     python scripts/make_golden.py tests/golden/v1.4    # format 1.4: tree tensor hashes (and one flat)
     python scripts/make_golden.py tests/golden/v1.5    # format 1.5: layout.cast (and a bf16 patch of BF16 files)
+    python scripts/make_golden.py tests/golden/v2.0    # format 2.0: the tensor table
 """
 
 from __future__ import annotations

@@ -379,9 +379,15 @@ def build_corpus(root: Path, big_bombs: bool = False) -> Corpus:
 
 
 def split_patch(data: bytes) -> dict:
-    """The header as JSON, each section dict carrying its body under "__body__"."""
-    _, _, _, _, header_len, _ = PREAMBLE.unpack(data[:32])
+    """The header as JSON, each section dict carrying its body under "__body__". A 2.x header's
+    tensor table comes as 1.x's entries (table_entries), its major under "__major__" (assemble
+    writes the table back)."""
+    _, major, _, _, header_len, _ = PREAMBLE.unpack(data[:32])
     header = json.loads(zstandard.ZstdDecompressor().decompress(data[32 : 32 + header_len]))
+    if major >= 2:
+        layout = header["layout"]["section"]
+        header["tensors"] = table_entries(header["tensors"], layout["offset"] + layout["length"])
+        header["__major__"] = major
     sections = data[32 + header_len :]
     for ref in section_refs(header):
         ref["__body__"] = sections[ref["offset"] : ref["offset"] + ref["length"]]
@@ -423,11 +429,18 @@ def header_frame(header) -> bytes:
     return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
 
 
-def assemble(header: dict, *, fix: bool = True, post=None, minor: int = 1) -> bytes:
+def assemble(header: dict, *, fix: bool = True, post=None, minor: int | None = None,
+             major: int | None = None, post_table=None) -> bytes:
     """The patch for `header` and its attached bodies; with `fix`, every offset, length, checksum and
     target.bytes recomputed first. `post(header)` edits the header after that (so its edits stay).
-    `minor`: the preamble's minor version (what a reader takes the version's rules from)."""
+    `major`, `minor`: the preamble's version (what a reader takes the version's rules from); by
+    default the major split_patch found (else 1), and minor 0 for major 2, 1 for major 1. For major
+    2 the entries go out as the tensor table (entries_table), after `post`; `post_table(header)`
+    edits the header after that (the table's own columns)."""
     h = copy.deepcopy(header)
+    found = h.pop("__major__", 1) if isinstance(h, dict) else 1
+    major = found if major is None else major
+    minor = (0 if major >= 2 else 1) if minor is None else minor
     bodies, offset = [], 0
     for ref in section_refs(h):
         body = ref.pop("__body__", None)
@@ -442,7 +455,68 @@ def assemble(header: dict, *, fix: bool = True, post=None, minor: int = 1) -> by
         fix_target_bytes(h)
     if post is not None:
         post(h)
-    return forge_frame(header_frame(h), minor=minor) + b"".join(bodies)
+    if major >= 2 and isinstance(h, dict):
+        h["tensors"] = entries_table(h.get("tensors"))
+    if post_table is not None:
+        h = post_table(h)
+    return forge_frame(header_frame(h), major=major, minor=minor) + b"".join(bodies)
+
+
+# -- format 2.0's tensor table (FORMAT.md §2.1), written here from the spec: the tests' reference --
+
+TABLE_FIELDS = ("name", "dtype", "op", "changed", "target_hash", "base_hash")
+
+
+def table_entries(table: dict, start: int) -> list[dict]:
+    """A valid 2.x tensor table as 1.x's entries, each section at its offset (back to back from
+    `start`, the end of the layout's section)."""
+    n = len(table["name"])
+    entries, at = [], 0
+    for i in range(n):
+        e = {key: table[key][i] for key in TABLE_FIELDS}
+        e["shape"] = table["dims"][at:at + table["ndim"][i]]
+        at += table["ndim"][i]
+        if e["base_hash"] is None:
+            del e["base_hash"]
+        for key in ("target_sum", "base_sum"):
+            if key in table and table[key][i] is not None:
+                e[key] = table[key][i]
+        entries.append(e)
+    sec, offset = table["section"], start
+    owners = [e for e in entries if e["op"] != "same"]
+    for j, e in enumerate(owners):
+        params = {key: column[j] for key, column in sec["params"].items() if column[j] is not None}
+        e["section"] = {"offset": offset, "length": sec["length"][j], "xxh3": sec["xxh3"][j],
+                        "codec": sec["codec"][j], "params": params}
+        offset += sec["length"][j]
+    return entries
+
+
+def entries_table(entries) -> object:
+    """1.x's entries as a 2.x tensor table, whatever a mutation made of them: what cannot be
+    placed in a column (an entry that is no object, a shape that is no list) goes in as it is, for
+    the reader to refuse. Offsets are dropped: a 2.x reader derives them."""
+    if not isinstance(entries, list):
+        return entries
+    rows = [e if isinstance(e, dict) else {"name": e} for e in entries]
+    table = {key: [r.get(key) for r in rows] for key in TABLE_FIELDS}
+    shapes = [r.get("shape") for r in rows]
+    table["ndim"] = [len(s) if isinstance(s, list) else s for s in shapes]
+    table["dims"] = [d for s in shapes if isinstance(s, list) for d in s]
+    if any("target_sum" in r or "base_sum" in r for r in rows):
+        table["target_sum"] = [r.get("target_sum") for r in rows]
+        table["base_sum"] = [r.get("base_sum") for r in rows]
+    sections = [r["section"] if isinstance(r["section"], dict) else {"codec": r["section"]}
+                for r in rows if "section" in r]
+    params = [s.get("params") if isinstance(s.get("params"), dict) else {} for s in sections]
+    keys = list(dict.fromkeys(k for p in params for k in p))
+    table["section"] = {"length": [s.get("length") for s in sections], "xxh3": [s.get("xxh3") for s in sections],
+                        "codec": [s.get("codec") for s in sections],
+                        "params": {k: [p.get(k) for p in params] for k in keys}}
+    bad = [s.get("params") for s in sections if not isinstance(s.get("params"), dict)]
+    if bad:  # params that are no object: the table's params object is that value
+        table["section"]["params"] = bad[0]
+    return table
 
 
 def _strip_bodies(obj) -> None:
@@ -525,7 +599,7 @@ def json_paths(value, path=()):
     yield path
     if isinstance(value, dict):
         for k, v in value.items():
-            if k != "__body__":
+            if k not in ("__body__", "__major__"):  # the harness's own fields: not the patch's to mutate
                 yield from json_paths(v, path + (k,))
     elif isinstance(value, list):
         for i, v in enumerate(value):
@@ -566,7 +640,7 @@ def mutate_json(doc, rng: random.Random, n: int | None = None):
         if op < 0.55 or not isinstance(node, (dict, list)) and op < 0.85:
             doc = set_path(doc, path, hostile_value(rng, node, pool))
         elif op < 0.85 and isinstance(node, dict):
-            keys = [k for k in node if k != "__body__"]
+            keys = [k for k in node if k not in ("__body__", "__major__")]
             if keys and rng.random() < 0.6:
                 del node[rng.choice(keys)]
             else:
@@ -1243,13 +1317,15 @@ def case_header(corpus: Corpus, rng: random.Random, work: Path, judge: Judge) ->
         run_patch(corpus, rng, work, judge, sample, h)
     elif r < 0.85:  # edits that must survive the assembly: where sections lie, their checksums, sizes
         post = lambda hh: mutate_json(hh, rng)  # noqa: E731
-        run_patch(corpus, rng, work, judge, sample, h, post=post)
+        if rng.random() < 0.5:  # before a 2.x table is made of the entries, or after (its columns)
+            run_patch(corpus, rng, work, judge, sample, h, post=post)
+        else:
+            feed_patch(corpus, rng, work, judge, sample, h, assemble(h, post_table=post), clean_possible=False)
     else:  # the frame and the preamble, checksum recomputed
         data = assemble(h)
-        n = struct.unpack("<Q", data[16:24])[0]
+        _, major, minor, flags, n, _ = PREAMBLE.unpack(data[:32])
         frame, sections = data[32 : 32 + n], data[32 + n :]
         raw = zstandard.ZstdDecompressor().decompress(frame)
-        major, minor, flags = 1, 1, 0
         op = rng.randrange(6)
         if op == 0:
             frame = compress(mutate_bytes(rng, raw), rng)
@@ -1351,6 +1427,13 @@ def _what_it_says(corpus: Corpus, sample: Sample, data: bytes, clean_possible: b
         if not 0 < zstandard.frame_content_size(frame) <= 64 << 20:
             return None, None, False
         said = json.loads(zstandard.ZstdDecompressor().decompress(frame))
+        if PREAMBLE.unpack(data[:32])[1] >= 2:  # the table as entries (the spec's reading, not pulsediff's)
+            try:
+                layout = said["layout"]["section"]
+                said["tensors"] = table_entries(said["tensors"], layout["offset"] + layout["length"])
+            except Exception:  # accepted, yet no table by the spec: check_claims says so
+                said["tensors"] = None
+            said["__major__"] = PREAMBLE.unpack(data[:32])[1]
         blob = decompress(data[32 + n :][: said["layout"]["section"]["length"]])
         original = corpus.parsed(sample.patch)
         clean = clean_possible and strip_header(said) == strip_header(original) and blob == _layout_blob(original)

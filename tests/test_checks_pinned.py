@@ -68,11 +68,11 @@ def test_a_header_with_a_hole_between_sections_is_refused_as_such():
     old = {"a": random_tensor(rng, "BF16", (64,)), "b": random_tensor(rng, "BF16", (48,))}
     new = {k: mutate(rng, v, 0.2) for k, v in old.items()}
     _, header, _ = open_patch(io.BytesIO(pulsediff.make_patch_bytes(old, new)))
-    obj = header.to_json()
-    PatchHeader.from_json(obj, "p")  # as made: accepted
+    obj = header.to_json(1)  # 1.5's entries: a 2.0 table has no offsets to edit
+    PatchHeader.from_json(obj, "p", 1)  # as made: accepted
     obj["tensors"][-1]["section"]["offset"] += 1
     with pytest.raises(CorruptPatchError, match="sections are not contiguous"):
-        PatchHeader.from_json(obj, "p")
+        PatchHeader.from_json(obj, "p", 1)
 
 
 def test_cuda_add_at_counts_the_position_just_past_the_end_and_writes_nothing_there():
@@ -101,8 +101,12 @@ def test_a_tensor_kept_the_same_cannot_claim_changed_elements():
     old = {"a": random_tensor(rng, "BF16", (64,)), "b": random_tensor(rng, "BF16", (48,))}
     new = {"a": mutate(rng, old["a"], 0.2), "b": old["b"].clone()}
     _, header, _ = open_patch(io.BytesIO(pulsediff.make_patch_bytes(old, new)))
-    obj = header.to_json()
+    obj = header.to_json(1)
     same = next(t for t in obj["tensors"] if t["op"] == "same")
     same["changed"] = 3
     with pytest.raises(CorruptPatchError, match="changed contradicts its op"):
-        PatchHeader.from_json(obj, "p")
+        PatchHeader.from_json(obj, "p", 1)
+    table = header.to_json(2)
+    table["tensors"]["changed"][table["tensors"]["op"].index("same")] = 3
+    with pytest.raises(CorruptPatchError, match="changed contradicts an op"):
+        PatchHeader.from_json(table, "p", 2)

@@ -23,9 +23,11 @@ from pulsediff.errors import (
     TruncatedPatchError,
     UnsupportedVersionError,
 )
-from pulsediff.format.container import FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMBLE, encode_header, encode_preamble
+from pulsediff.format.container import (FORMAT_MAJOR, FORMAT_MINOR, MAGIC, PREAMBLE, READ_MAJORS, encode_header,
+                                        encode_preamble)
 
 from ckpt_factory import mutate, random_tensor, save
+from fuzz_cases import entries_table, table_entries
 
 
 @pytest.fixture(scope="module", params=SPARSE_CODECS)
@@ -80,7 +82,7 @@ def test_unknown_major_version_is_refused(small_pair, tmp_path):
     old, _, patch = small_pair
     data = bytearray(patch)
     struct.pack_into("<H", data, 8, FORMAT_MAJOR + 1)
-    with pytest.raises(UnsupportedVersionError, match=rf"version 2\.{FORMAT_MINOR} is not supported"):
+    with pytest.raises(UnsupportedVersionError, match=rf"version 3\.{FORMAT_MINOR} is not supported.*versions 1 and 2"):
         apply_bytes(old, bytes(data), tmp_path / "out")
 
 
@@ -98,25 +100,44 @@ def test_patch_from_another_base_is_refused_before_writing(small_pair, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def forge(header: dict, sections: bytes = b"") -> bytes:
-    """A patch with a valid preamble and checksum around a hand-written header."""
+def header_of(patch: bytes) -> dict:
+    """A patch's header JSON, a 2.x tensor table as 1.x's entries (tests edit those)."""
+    pre = PREAMBLE.unpack(patch[:32])
+    header = json.loads(zstandard.ZstdDecompressor().decompress(patch[32 : 32 + pre[4]]))
+    if pre[1] >= 2:
+        layout = header["layout"]["section"]
+        header["tensors"] = table_entries(header["tensors"], layout["offset"] + layout["length"])
+    return header
+
+
+def forge(header: dict, sections: bytes = b"", major: int = FORMAT_MAJOR) -> bytes:
+    """A patch with a valid preamble and checksum around a hand-written header (1.x's entries,
+    written as a tensor table for major 2; a major 1 patch is a 1.5 one)."""
+    if major >= 2:
+        header = dict(header, tensors=entries_table(header.get("tensors")))
     frame = encode_header(header)
-    return encode_preamble(frame) + frame + sections
+    return encode_preamble(frame, (major, FORMAT_MINOR if major == FORMAT_MAJOR else 5)) + frame + sections
 
 
-def test_hostile_headers_are_refused(small_pair, tmp_path):
+@pytest.mark.parametrize("major", [1, 2])
+def test_hostile_headers_are_refused(small_pair, tmp_path, major):
+    """Each edit refused, in a 1.5 patch's entries and in 2.0's tensor table alike (a table holds
+    only counts where params go: a string or a list there is refused as a wrong type)."""
     old, _, patch = small_pair
     pre = PREAMBLE.unpack(patch[:32])
-    frame = patch[32 : 32 + pre[4]]
-    header = json.loads(zstandard.ZstdDecompressor().decompress(frame))
+    header = header_of(patch)
     out = tmp_path / "out"
+    typed = "|wrong type" if major >= 2 else ""
 
     def refuse(mutator, match=None):
         h = json.loads(json.dumps(header))
         mutator(h)
         with pytest.raises(InvalidPatchError, match=match):
-            apply_bytes(old, forge(h, patch[32 + pre[4]:]), out)
+            apply_bytes(old, forge(h, patch[32 + pre[4]:], major), out)
         assert not out.exists()
+
+    apply_bytes(old, forge(json.loads(json.dumps(header)), patch[32 + pre[4]:], major), out)  # unedited: applies
+    out.unlink()
 
     refuse(lambda h: h.update(precision="fp7"), "precision")
     refuse(lambda h: h["tensors"][0].update(shape=[2**62, 2**62]), "shape")
@@ -138,8 +159,8 @@ def test_hostile_headers_are_refused(small_pair, tmp_path):
     refuse(set_param("count", True), "count")
     codec = header["tensors"][patched]["section"]["codec"]
     index_key = {"gap-zstd": "gap_bytes", "ctx-rans": "table_bytes", "ctx-ac": "position_bytes"}[codec]
-    refuse(set_param(index_key, "12"), "index size")
-    refuse(set_param(index_key, [1]), "index size")
+    refuse(set_param(index_key, "12"), "index size" + typed)
+    refuse(set_param(index_key, [1]), "index size" + typed)
     refuse(set_param(index_key, 10**9), "index size")
     if codec == "gap-zstd":
         refuse(set_param("gap_width", 3), "gap_width")
@@ -148,14 +169,15 @@ def test_hostile_headers_are_refused(small_pair, tmp_path):
     if codec == "ctx-rans":
         refuse(set_param("escapes", 10**6), "escapes")
     refuse(lambda h: h["tensors"][patched]["section"].update(codec="lzma-9000"), "unknown codec")
-    refuse(lambda h: h["tensors"][patched]["section"].update(offset=0), "contiguous")
+    if major == 1:  # a table has no offsets: its sections lie back to back by construction
+        refuse(lambda h: h["tensors"][patched]["section"].update(offset=0), "contiguous")
 
 
 def test_hostile_section_with_valid_checksum(small_pair, tmp_path):
     """A section that passes its checksum but decodes to out-of-range positions must not be scattered."""
     old, _, patch = small_pair
     pre = PREAMBLE.unpack(patch[:32])
-    header = json.loads(zstandard.ZstdDecompressor().decompress(patch[32 : 32 + pre[4]]))
+    header = header_of(patch)
     sections = bytearray(patch[32 + pre[4]:])
     i = next(i for i, t in enumerate(header["tensors"]) if t["op"] == "patch")
     sec = header["tensors"][i]["section"]
@@ -181,7 +203,7 @@ def test_fuzzed_sections_with_valid_checksums(small_pair, tmp_path):
     """Random damage that the checksum cannot see (it is recomputed): decoders must refuse, not crash."""
     old, _, patch = small_pair
     pre = PREAMBLE.unpack(patch[:32])
-    header = json.loads(zstandard.ZstdDecompressor().decompress(patch[32 : 32 + pre[4]]))
+    header = header_of(patch)
     sections = patch[32 + pre[4]:]
     rng = np.random.default_rng(5)
     out = tmp_path / "out"
@@ -210,9 +232,10 @@ def test_magic_and_version_are_pinned():
 
     assert MAGIC == b"PULSEDIF"
     assert PATCH_MAGIC == MAGIC  # the checkpoint reader names a patch given in a checkpoint's place by it
-    assert FORMAT_MAJOR == 1
-    assert FORMAT_MINOR == 5  # 1.1: layout digest, folder files; 1.2: word sums; 1.3: ctx-ac; 1.4: tree hashes;
-    # 1.5: layout.cast (docs/FORMAT.md §11)
+    assert FORMAT_MAJOR == 2
+    assert FORMAT_MINOR == 0  # 1.1: layout digest, folder files; 1.2: word sums; 1.3: ctx-ac; 1.4: tree hashes;
+    # 1.5: layout.cast; 2.0: the tensor table (docs/FORMAT.md §11)
+    assert READ_MAJORS == (1, 2)
     assert PREAMBLE.size == 32
 
 
@@ -305,7 +328,7 @@ def _edit_layout(patch: bytes, edit) -> bytes:
     """The patch with its layout blob replaced by `edit(blob, header)`, every checksum, offset and size
     recomputed to match: what a careless or hostile writer produces."""
     pre = PREAMBLE.unpack(patch[:32])
-    header = json.loads(zstandard.ZstdDecompressor().decompress(patch[32 : 32 + pre[4]]))
+    header = header_of(patch)
     sections = patch[32 + pre[4]:]
     lay = header["layout"]
     blob = zstandard.ZstdDecompressor().decompress(sections[: lay["section"]["length"]])
@@ -346,7 +369,7 @@ def test_edited_layout_is_refused_in_exact_mode(small_pair, tmp_path):
 def test_target_bytes_must_agree_with_the_layout(small_pair, tmp_path):
     old, _, patch = small_pair
     pre = PREAMBLE.unpack(patch[:32])
-    header = json.loads(zstandard.ZstdDecompressor().decompress(patch[32 : 32 + pre[4]]))
+    header = header_of(patch)
     header["target"]["bytes"] += 1
     with pytest.raises(CorruptPatchError, match="target.bytes contradicts"):
         apply_bytes(old, forge(header, patch[32 + pre[4]:]), tmp_path / "out")

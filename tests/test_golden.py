@@ -64,9 +64,11 @@ def test_golden_patch_applies(tmp_path, folder, patch, spec, device):
 
 
 def test_golden_covers_every_format_version_and_folder_files():
-    from pulsediff.format.container import FORMAT_MINOR
+    from pulsediff.format.container import FORMAT_MAJOR, FORMAT_MINOR, WRITE_VERSIONS
 
-    assert (GOLDEN / f"v1.{FORMAT_MINOR}").is_dir() if FORMAT_MINOR else (GOLDEN / "v1").is_dir()
+    for major, minor in WRITE_VERSIONS.values():  # every version make writes
+        assert (GOLDEN / f"v{major}.{minor}").is_dir()
+    assert FORMAT_MAJOR == 2 and FORMAT_MINOR == 0 and (GOLDEN / "v1").is_dir()
     folder_patches = [read_patch_header(folder / p) for folder, p, _ in CASES if p.startswith("exact.folder.")]
     assert folder_patches and all({f.op for f in h.files} == {"same", "full"} and h.removed_files for h in folder_patches)
 

@@ -27,9 +27,16 @@ HOSTILE = [None, True, False, 0, 1, -1, 2**63, 2**64, 1.0, "", "x", "patch", "sa
 
 
 def _entries(path: Path) -> list[dict]:
+    """A golden patch's tensor entries (a 2.0 table's as 1.x's entries)."""
+    from fuzz_cases import table_entries
+
     data = path.read_bytes()
-    header_len = PREAMBLE.unpack(data[:32])[4]
-    return json.loads(zstandard.ZstdDecompressor().decompress(data[32:32 + header_len]))["tensors"]
+    major, header_len = PREAMBLE.unpack(data[:32])[1], PREAMBLE.unpack(data[:32])[4]
+    header = json.loads(zstandard.ZstdDecompressor().decompress(data[32:32 + header_len]))
+    if major >= 2:
+        layout = header["layout"]["section"]
+        return table_entries(header["tensors"], layout["offset"] + layout["length"])
+    return header["tensors"]
 
 
 def _slow(entry):

@@ -9,7 +9,7 @@ import typer
 
 from pulsediff.errors import UsageError
 from pulsediff.cli.checks import check_output
-from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, DigestSchemeOption, ForceStdout, Json, Precision, Quiet
+from pulsediff.cli.options import DEFAULT_CODEC, Codec, Device, DigestSchemeOption, ForceStdout, FormatVersion, Json, Precision, Quiet
 from pulsediff.cli.output import Output, human_bytes
 
 
@@ -21,6 +21,7 @@ def make(
     codec: Codec = DEFAULT_CODEC,
     device: Device = "auto",
     digest: DigestSchemeOption = "tree",
+    format_version: FormatVersion = "2",
     force: ForceStdout = False,
     skip_unsupported: Annotated[bool, typer.Option("--skip-unsupported", help="Leave out of the patch, with a warning, the files of a model folder it cannot carry (weights in other formats such as .bin or .gguf, files over 256 MiB) instead of refusing.")] = False,
     quiet: Quiet = False,
@@ -41,7 +42,7 @@ def make(
     unrelated: list[str] = []  # found from the headers before the make, said once the patch is written
     header = make_patch(old, new, output, precision=precision, codec=codec, device=device, progress=out.progress(),
                         skip_unsupported=skip_unsupported, skipped=skipped, force=force, digest=digest,
-                        unrelated=unrelated)
+                        unrelated=unrelated, format_version=int(format_version))
     for note in skipped:
         out.warn(f"not carried in the patch: {new}/{note}")
     for reason in unrelated:  # a valid patch, but likely not the one meant: about as large as NEW itself

@@ -36,6 +36,12 @@ DigestSchemeOption = Annotated[
                  "chunks, on a GPU where the tensors are) or flat (one hash per tensor, as before format 1.4: "
                  "for appliers older than pulsediff's format 1.4)."),
 ]
+FormatVersion = Annotated[
+    Literal["2", "1"],
+    typer.Option("--format-version", metavar="MAJOR", help="Patch format to write: 2 (the default; its tensor "
+                 "table reads fast for checkpoints of many tensors) or 1 (format 1.5: for appliers older than "
+                 "pulsediff's format 2.0)."),
+]
 Precision = Annotated[
     Literal["exact", "bf16"],
     typer.Option(

@@ -31,8 +31,11 @@ from pulsediff.errors import (
 )
 
 MAGIC = b"PULSEDIF"
-FORMAT_MAJOR = 1
-FORMAT_MINOR = 5
+FORMAT_MAJOR = 2  # what this version writes; it reads every major in READ_MAJORS
+FORMAT_MINOR = 0
+READ_MAJORS = (1, 2)
+# The version each major is written as: 1.5 by `make --format-version 1`, for appliers older than 2.0.
+WRITE_VERSIONS = {1: (1, 5), FORMAT_MAJOR: (FORMAT_MAJOR, FORMAT_MINOR)}
 PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, major, minor, flags, header length, checksum
 # The checksum is XXH3-64 of the first 24 preamble bytes followed by the header
 # frame, so that no byte before the sections goes unchecked.
@@ -111,8 +114,8 @@ def _header_checksum(preamble_fields: bytes, header_frame: bytes) -> int:
     return h.intdigest()
 
 
-def encode_preamble(header_frame: bytes) -> bytes:
-    fields = PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, len(header_frame), 0)[:24]
+def encode_preamble(header_frame: bytes, version: tuple[int, int] = (FORMAT_MAJOR, FORMAT_MINOR)) -> bytes:
+    fields = PREAMBLE.pack(MAGIC, *version, 0, len(header_frame), 0)[:24]
     return fields + struct.pack("<Q", _header_checksum(fields, header_frame))
 
 
@@ -145,8 +148,8 @@ class PatchReader:
         magic, major, minor, flags, header_len, header_sum = PREAMBLE.unpack(pre)
         if magic != MAGIC:
             raise NotAPatchError(source)
-        if major != FORMAT_MAJOR:
-            raise UnsupportedVersionError(major, minor, FORMAT_MAJOR)
+        if major not in READ_MAJORS:
+            raise UnsupportedVersionError(major, minor, READ_MAJORS)
         if flags != 0:
             raise CorruptPatchError(source, f"reserved flags are set ({flags:#x})")
         if header_len > MAX_HEADER_BYTES:

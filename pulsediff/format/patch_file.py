@@ -14,6 +14,7 @@ from typing import BinaryIO, Iterator
 from pulsediff.errors import ChainError, CheckpointNotFoundError, CorruptPatchError
 from pulsediff.format.container import PatchReader
 from pulsediff.format.header import FileRecord, PatchHeader, TensorRecord
+from pulsediff.io.fast_entries import gc_paused
 from pulsediff.io.names import INDEX_NAME
 from pulsediff.io.folder_files import file_hash
 from pulsediff.io.safetensors_header import HeaderError, parse_header
@@ -32,8 +33,9 @@ def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, 
     else:
         stream, source, owned = patch, getattr(patch, "name", "<stream>"), None
     try:
-        reader = PatchReader(stream, source)
-        header = PatchHeader.from_json(reader.header, source)
+        with gc_paused():
+            reader = PatchReader(stream, source)
+            header = PatchHeader.from_json(reader.header, source, reader.version[0])
     except BaseException:
         if owned:
             owned.close()

@@ -18,7 +18,7 @@ from operator import attrgetter
 
 from pulsediff.io import strict_json
 from pulsediff.io.dtypes import DType, lookup
-from pulsediff.io.fast_entries import built, elements
+from pulsediff.io.fast_entries import built, elements, gc_paused
 
 # safetensors caps the header at 100 MB; a larger length field is refused
 # before anything is allocated.
@@ -79,6 +79,11 @@ def read_header_length(prefix: bytes) -> int:
 
 def parse_header(raw: bytes, data_bytes_available: int) -> ParsedHeader:
     """Validate a header against the size of the data region that follows it."""
+    with gc_paused():  # an MoE file's 18k entries: 0.20 -> 0.15 s of CPU
+        return _parse_header(raw, data_bytes_available)
+
+
+def _parse_header(raw: bytes, data_bytes_available: int) -> ParsedHeader:
     try:
         obj = strict_json.loads(raw)
     except strict_json.JsonError as exc:

@@ -31,7 +31,8 @@ from pulsediff.codecs.gap_zstd import gap_width
 from pulsediff.format.digest import DEFAULT_SCHEME, DigestScheme, TensorId, format_word_sum
 from pulsediff.errors import UsageError, refuse_existing, refuse_folder_for_file
 from pulsediff.io.folder_files import file_hash, folder_files, read_folder_file
-from pulsediff.format.container import SectionRef, encode_header, encode_preamble, section_checksum
+from pulsediff.format.container import (FORMAT_MAJOR, WRITE_VERSIONS, SectionRef, encode_header, encode_preamble,
+                                        section_checksum)
 from pulsediff.kernels import get_backend
 from pulsediff.kernels.threads import inline, num_threads, parallel_map
 from pulsediff.format.header import FILE_CODEC, LAYOUT_CODEC, FileRecord, Layout, LayoutFile, PatchHeader, TensorRecord
@@ -94,6 +95,7 @@ def make_patch(
     force: bool = False,
     digest: str = DEFAULT_SCHEME.name,
     unrelated: list[str] | None = None,
+    format_version: int = FORMAT_MAJOR,
 ) -> PatchHeader:
     """Write a patch that turns checkpoint `old` into `new` (or its BF16 cast) to `out`.
 
@@ -107,13 +109,17 @@ def make_patch(
     out is appended to `skipped`. An existing `out` file is refused (OutputExistsError) unless `force`; a
     folder (or a name ending in '/') is refused whatever `force` (UsageError). `digest`: how
     tensors are hashed (FORMAT.md §3): "tree", the default, or "flat", which pulsediff before
-    format 1.4 reads too. `unrelated`: where to append unrelated_reason's phrase when the pair
+    format 1.4 reads too. `format_version`: the major version to write (FORMAT.md §11): 2, the
+    default, or 1 (a 1.5 patch, which pulsediff before format 2.0 reads). `unrelated`: where to append unrelated_reason's phrase when the pair
     looks unrelated, found from the headers this make reads anyway (an 18k-tensor checkpoint's
     header takes a quarter of a second to read).
     """
     from pulsediff.ops.inspect import digest_scheme
 
     check_choices(codec, precision)
+    if format_version not in WRITE_VERSIONS:
+        raise UsageError(f"unknown format version {format_version!r}; choose one of "
+                         f"{', '.join(map(str, sorted(WRITE_VERSIONS)))}")
     scheme = digest_scheme(digest)
     refuse_folder_for_file(out, "a patch is a single file", patch_name(new))
     refuse_existing(out, force)
@@ -127,7 +133,7 @@ def make_patch(
             if unrelated is not None and (reason := _unrelated(old_ckpt, new_ckpt, precision)) is not None:
                 unrelated.append(reason)
             return write_patch(old_ckpt, target, out, codec=codec, device=device, progress=progress,
-                               scheme=scheme)
+                               scheme=scheme, major=format_version)
 
 
 def _device_data_of(view: TensorView):
@@ -237,9 +243,9 @@ def check_choices(codec: str, precision: str) -> None:
 
 
 def write_patch(old: str | Path | Checkpoint | None, target: TargetSource, out, *, codec: str, device: str | None,
-                progress: Progress, scheme: DigestScheme = DEFAULT_SCHEME) -> PatchHeader:
+                progress: Progress, scheme: DigestScheme = DEFAULT_SCHEME, major: int = FORMAT_MAJOR) -> PatchHeader:
     """Diff checkpoint `old` (None: empty; or one the caller opened, which this closes) against
-    `target` and write the patch to `out`, its tensors hashed under `scheme`."""
+    `target` and write the patch to `out`, its tensors hashed under `scheme`, as format `major`."""
     opened = old if isinstance(old, Checkpoint) else open_source(old)
     with opened as old_ckpt, tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY) as spool:
         backend = _backend_for(device, scheme, [old_ckpt, *(target.inputs or ())])
@@ -251,22 +257,23 @@ def write_patch(old: str | Path | Checkpoint | None, target: TargetSource, out, 
         for ckpt in [old_ckpt, *(target.inputs or ())]:
             ckpt.close(verify=False)
         spool.seek(0)
-        header_frame = encode_header(header.to_json())
+        header_frame = encode_header(header.to_json(major))
+        version = WRITE_VERSIONS[major]
         if isinstance(out, (str, Path)) and str(out) == "-":
-            _emit(sys.stdout.buffer, header_frame, spool)
+            _emit(sys.stdout.buffer, header_frame, spool, version)
             sys.stdout.buffer.flush()
         elif isinstance(out, (str, Path)):
             with StagedFiles(inputs=()) as staged:  # the inputs were checked, then closed, above
                 with staged.open(Path(out)) as f:
-                    _emit(f, header_frame, spool)
+                    _emit(f, header_frame, spool, version)
                 staged.commit()
         else:
-            _emit(out, header_frame, spool)
+            _emit(out, header_frame, spool, version)
     return header
 
 
-def _emit(f: BinaryIO, header_frame: bytes, spool) -> None:
-    f.write(encode_preamble(header_frame))
+def _emit(f: BinaryIO, header_frame: bytes, spool, version: tuple[int, int]) -> None:
+    f.write(encode_preamble(header_frame, version))
     f.write(header_frame)
     shutil.copyfileobj(spool, f, 1 << 22)
 
