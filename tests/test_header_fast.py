@@ -147,3 +147,26 @@ def test_layout_headers_are_read_in_one_pass_and_edits_go_to_the_parser(path):
                 accepted += 1
                 assert _parsed_agrees(data, records), edited
     assert accepted  # edits that keep the header right (metadata of strings, extra keys) were met
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_layout_headers_as_safetensors_writes_them_are_matched_as_bytes(path):
+    """_is_canonical: a layout header exactly as safetensors writes it is recognised without a JSON
+    parse; a byte edited anywhere in it (or metadata spelled another way) is recognised only where
+    parse_header describes the same tensors (else it goes to the full reading)."""
+    from pulsediff.format.patch_file import _is_canonical
+
+    rng = random.Random(path.name)
+    for raw, records in _layout_headers(path):
+        assert _is_canonical(raw, records)
+        kept = 0
+        for _ in range(300):
+            data = bytearray(raw)
+            at = rng.randrange(len(data))
+            data[at] = rng.choice(b' {}[],:"\\0129aBz\x00\xff')
+            for edited in (bytes(data), b'{"__metadata__":{"a":"b"},' + bytes(raw[1:]),
+                           b'{"__metadata__":{"a":1},' + bytes(raw[1:]), b'{"__metadata__" : {},' + bytes(raw[1:])):
+                if _is_canonical(edited, records):
+                    kept += 1
+                    assert _parsed_agrees(edited, records), edited[:200]
+        assert kept  # some edits keep it right (the metadata variants, a flip inside the padding)
