@@ -465,7 +465,8 @@ def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
         return None
     return built(TensorRecord, {"name": name, "dtype": dtype, "shape": tuple(shape), "op": op, "changed": changed,
                                 "target_hash": target_hash, "base_hash": base_hash, "section": ref,
-                                 "target_sum": target_sum, "base_sum": base_sum, "scheme": scheme})
+                                "target_sum": target_sum, "base_sum": base_sum, "scheme": scheme,
+                                "numel": numel, "nbytes": numel * dtype.itemsize})  # TensorRecord's cache
 
 
 # -- format 2.0's tensor table (FORMAT.md §2.1) ----------------------------------------------
@@ -588,7 +589,8 @@ class _TableReader:
             "name": names[i], "dtype": dtypes[i], "shape": shapes[i], "op": ops[i], "changed": changed[i],
             "target_hash": target_hashes[i], "base_hash": base_hashes[i],
             "section": next(has_section) if ops[i] != "same" else None,
-            "target_sum": target_sums[i], "base_sum": base_sums[i], "scheme": scheme}) for i in range(n))
+            "target_sum": target_sums[i], "base_sum": base_sums[i], "scheme": scheme,
+            "numel": numels[i], "nbytes": numels[i] * dtypes[i].itemsize}) for i in range(n))
 
     def word_sums(self, obj: dict, n: int, ops: list, full: list) -> tuple[list, list]:
         """Format 1.2's word sums (§3.1), both columns or neither, as a 1.x entry's."""
