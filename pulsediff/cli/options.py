@@ -34,7 +34,7 @@ DigestSchemeOption = Annotated[
     Literal["tree", "flat"],
     typer.Option("--digest", metavar="SCHEME", help="How tensors are hashed: tree (the default; hashed in parallel "
                  "chunks, on a GPU where the tensors are) or flat (one hash per tensor, as before format 1.4: "
-                 "for appliers older than pulsediff's format 1.4)."),
+                 "with --format-version 1, for appliers older than pulsediff's format 1.4)."),
 ]
 FormatVersion = Annotated[
     Literal["2", "1"],
