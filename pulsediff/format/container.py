@@ -1,7 +1,8 @@
-"""The patch file format, version 1 (normative text: docs/FORMAT.md).
+"""The patch file format, version 2, which reads version 1 too (normative text: docs/FORMAT.md).
 
     preamble   32 bytes  magic, version, flags, header length, header checksum
-    header     zstd frame holding UTF-8 JSON: digests, mode, layout, one entry per tensor
+    header     zstd frame holding UTF-8 JSON: digests, mode, layout, the tensors (2: a table of
+               columns; 1: one object per tensor)
     sections   back to back, in header order; each has its own offset, length and checksum
 
 Everything read from a patch is bounded and checked here before use: the
