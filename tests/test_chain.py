@@ -50,9 +50,10 @@ def test_chain_and_squash_equal_the_last_checkpoint(tmp_path, codec, sharded):
     rng = np.random.default_rng(31)
     ckpts = series(tmp_path, rng, sharded=sharded)
     links = []
-    for k in range(len(ckpts) - 1):
+    for k in range(len(ckpts) - 1):  # formats 2.0 and 1.5 in turn: a chain may mix them
         links.append(tmp_path / f"p{k}")
-        make_patch(ckpts[k], ckpts[k + 1], links[-1], codec=codec, device="cpu")
+        make_patch(ckpts[k], ckpts[k + 1], links[-1], codec=codec, device="cpu", format_version=1 + (k % 2 == 0))
+    assert [p.read_bytes()[8] for p in links] == [2, 1, 2, 1]
     out = tmp_path / ("out" if sharded else "out.safetensors")
     result = apply_chain(ckpts[0], links, out, device="cpu")
     assert result.links_applied == len(links) and same(out, ckpts[-1])
@@ -64,6 +65,7 @@ def test_chain_and_squash_equal_the_last_checkpoint(tmp_path, codec, sharded):
     squashed = tmp_path / "sq"
     squash_patches(ckpts[0], links, squashed, codec=codec, device="cpu")
     assert squashed.stat().st_size <= sum(p.stat().st_size for p in links)
+    assert squashed.read_bytes()[8] == 2  # written as today's format
     out3 = tmp_path / ("out3" if sharded else "out3.safetensors")
     apply_patch(ckpts[0], squashed, out3, device="cpu")
     assert same(out3, ckpts[-1])

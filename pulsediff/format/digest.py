@@ -31,6 +31,7 @@ apply checks base and target where the tensors live.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from dataclasses import dataclass
@@ -218,11 +219,11 @@ class DigestScheme:
         # One XXH3 over the entries' bytes joined (the same bytes as one update per field, a
         # third of the time: a header of 18k tensors is checked against its digest on every read).
         parts = []
+        extend = parts.extend
         # Entries sort by their names' UTF-8 bytes (not by code points: they differ past U+FFFF).
-        for name, (_, dtype, shape, hash_hex) in sorted(((row[0].encode("utf-8"), row) for row in rows), key=_first):
-            dtype = dtype.encode("ascii")
-            parts += (len(name).to_bytes(4, "little"), name, len(dtype).to_bytes(4, "little"), dtype,
-                      struct.pack(f"<I{len(shape)}Q", len(shape), *shape), bytes.fromhex(hash_hex))
+        for name, (_, dtype, shape, hash_hex) in sorted([(row[0].encode("utf-8"), row) for row in rows], key=_first):
+            extend((len(name).to_bytes(4, "little"), name, _dtype_field(dtype), _shape_struct(len(shape)).pack(
+                len(shape), *shape), bytes.fromhex(hash_hex)))
         return self.prefix + xxhash.xxh3_128_hexdigest(b"".join(parts))
 
     @property
@@ -233,6 +234,19 @@ class DigestScheme:
 
 def _first(pair):
     return pair[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_field(dtype: str) -> bytes:
+    """A dtype name as a digest entry holds it: its length (u32) and its ASCII bytes."""
+    raw = dtype.encode("ascii")
+    return len(raw).to_bytes(4, "little") + raw
+
+
+@functools.lru_cache(maxsize=128)
+def _shape_struct(ndim: int) -> struct.Struct:
+    """A shape as a digest entry holds it: ndim (u32) and each dimension (u64)."""
+    return struct.Struct(f"<I{ndim}Q")
 
 
 TREE = DigestScheme("tree", "xxh3tree:")
