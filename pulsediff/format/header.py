@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -642,10 +643,12 @@ class _TableReader:
                 if any(counts[j] != changed[owners[j]] for j in rows):
                     raise self.fail("section.params: the codec's count contradicts changed")
             sizes = [by_key.get(key, [None] * m) for key in codec.index_keys]
-            for j in rows:
-                parts = [size[j] for size in sizes]
-                if None in parts or sum(parts) > lengths[j]:
-                    raise self.fail("section.params: the codec's index size is invalid")
+            limits = lengths
+            if len(rows) < m:  # the codec's rows only
+                sizes, limits = [[size[j] for j in rows] for size in sizes], [lengths[j] for j in rows]
+            # Each row's index bytes, the sum of its index keys' values, within its section's length.
+            if any(None in size for size in sizes) or any(map(operator.gt, map(sum, zip(*sizes)), limits)):
+                raise self.fail("section.params: the codec's index size is invalid")
         keys = list(params)
         if any(None in values for values in columns):
             rows = [{key: v for key, v in zip(keys, row) if v is not None} for row in zip(*columns)]
