@@ -202,3 +202,31 @@ def test_make_writes_either_major_and_both_apply(tmp_path):
     assert result.exit_code != 0 and "format-version" in result.output
     with pytest.raises(PulsediffError, match="unknown format version 3"):
         pulsediff.make_patch(old, new, tmp_path / "p3", format_version=3)
+
+
+def test_what_a_table_can_make_a_reader_hold_is_bounded(header):
+    """Review findings: params keys are columns of a row per section, so their number is bounded
+    (MAX_PARAMS_KEYS); the sections' derived offsets are bounded as 1.x's written ones are."""
+    from pulsediff.format.header import MAX_PARAMS_KEYS
+
+    obj = header.to_json(2)
+    params = obj["tensors"]["section"]["params"]
+    for k in range(MAX_PARAMS_KEYS + 1 - len(params)):
+        params[f"extra{k}"] = [None] * len(obj["tensors"]["section"]["length"])
+    assert f"has {MAX_PARAMS_KEYS + 1} keys" in str(_parse(obj))
+    obj = header.to_json(2)
+    obj["tensors"]["section"]["length"][0] = 2**48  # the next section would start past 2**48
+    assert "past the format's bound" in str(_parse(obj))
+    assert "offset is out of range" in str(_parse(dict(obj, tensors=table_entries(obj["tensors"], 2**48 - 5)), 1))
+
+
+def test_values_from_the_table_are_shown_escaped_and_short(header):
+    """A params key or a dtype is the patch's text: a refusal shows it escaped, cut short."""
+    for edit in ("params", "dtype"):
+        edited = header.to_json(2)
+        if edit == "params":
+            edited["tensors"]["section"]["params"]["x\nerror: ok\x1b[0m"] = 1
+        else:
+            edited["tensors"]["dtype"][0] = "Q" * 10_000 + "\n"
+        message = str(_parse(edited))
+        assert "\n" not in message and "\x1b" not in message and len(message) < 200, message

@@ -21,6 +21,7 @@ import xxhash
 import zstandard
 
 from pulsediff.io import strict_json
+from pulsediff.io.fast_entries import gc_paused
 from pulsediff.io.safetensors_header import MAX_NAME_BYTES, MAX_NDIM  # noqa: F401 (a patch's limits too)
 from pulsediff.errors import (
     CorruptPatchError,
@@ -233,7 +234,8 @@ def _decode_header_frame(frame: bytes, source: str) -> dict:
             raise CorruptPatchError(source, f"header frame of {len(frame)} bytes declares {size}, more than "
                                             f"{MAX_HEADER_EXPANSION} times its length")
         raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
-        header = strict_json.loads(raw, max_containers=MAX_HEADER_CONTAINERS)
+        with gc_paused():  # the parse's objects, none in a cycle (io/fast_entries.py)
+            header = strict_json.loads(raw, max_containers=MAX_HEADER_CONTAINERS)
     except zstandard.ZstdError:
         raise CorruptPatchError(source, "header does not decode") from None
     except strict_json.JsonError as exc:

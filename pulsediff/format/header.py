@@ -479,6 +479,15 @@ def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
 # column joined).
 
 _NONE = type(None)
+# Params keys a table may hold (FORMAT.md §9): the codecs use at most 8. Each key is a column of a
+# row per section, so without a bound a 477 KB patch of zeros in 62 columns took 4.2 GB to refuse.
+MAX_PARAMS_KEYS = 16
+
+
+def _shown(value: object) -> str:
+    """A value from the patch in a one-line message: its repr (escapes and all), cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def tensor_table(records) -> dict:
@@ -523,12 +532,13 @@ class _TableReader:
 
     def column(self, obj: dict, key: str, kinds: set, rows: int | None, where: str = "") -> list:
         value = obj.get(key)
+        named = key if key.isidentifier() else _shown(key)  # a params key is the patch's: shown escaped
         if type(value) is not list:
-            raise self.fail(f"{where}{key} is missing or not a list")
+            raise self.fail(f"{where}{named} is missing or not a list")
         if rows is not None and len(value) != rows:
-            raise self.fail(f"{where}{key} has {len(value)} rows, not {rows}")
+            raise self.fail(f"{where}{named} has {len(value)} rows, not {rows}")
         if not set(map(type, value)) <= kinds:
-            raise self.fail(f"{where}{key} holds a value of the wrong type")
+            raise self.fail(f"{where}{named} holds a value of the wrong type")
         return value
 
     def hexes(self, values: list, width: int, key: str, what: str) -> None:
@@ -558,10 +568,10 @@ class _TableReader:
         if len(set(names)) != n:
             raise self.fail("name names a tensor twice")
         if not set(dtype_names) <= DTYPES.keys():
-            raise self.fail(f"dtype {sorted(set(dtype_names) - DTYPES.keys())[0]!r} is unknown")
+            raise self.fail(f"dtype {_shown(sorted(set(dtype_names) - DTYPES.keys())[0])} is unknown")
         dtypes = [DTYPES[d] for d in dtype_names]
         if not set(ops) <= set(OPS):
-            raise self.fail(f"op {sorted(set(ops) - set(OPS))[0]!r} is unknown")
+            raise self.fail(f"op {_shown(sorted(set(ops) - set(OPS))[0])} is unknown")
 
         if n and (min(ndims) < 0 or max(ndims) > MAX_NDIM) or sum(ndims) != len(dims):
             raise self.fail("ndim does not give a valid shape")
@@ -623,6 +633,8 @@ class _TableReader:
         params = section.get("params")
         if type(params) is not dict:
             raise self.fail("section.params is missing or not an object")
+        if len(params) > MAX_PARAMS_KEYS:
+            raise self.fail(f"section.params has {len(params)} keys, more than {MAX_PARAMS_KEYS}")
         columns = [self.column(params, key, {int, _NONE}, m, "section.params.") for key in params]
         if m and (min(lengths) < 0 or max(lengths) > MAX_SECTION_BYTES):
             raise self.fail("section.length is out of range")
@@ -655,5 +667,7 @@ class _TableReader:
         else:
             rows = [dict(zip(keys, row)) for row in zip(*columns)] if columns else [{} for _ in range(m)]
         offsets = list(itertools.accumulate(lengths, initial=start))
+        if m and offsets[m - 1] > MAX_SECTION_BYTES:  # where the last one starts: bounded as 1.x's offsets
+            raise self.fail("section.length: the sections reach past the format's bound")
         return [built(SectionRef, {"offset": offsets[j], "length": lengths[j], "checksum": checksums[j],
                                    "codec": codecs[j], "params": rows[j]}) for j in range(m)]

@@ -33,8 +33,8 @@ def open_patch(patch: str | Path | BinaryIO) -> tuple[PatchReader, PatchHeader, 
     else:
         stream, source, owned = patch, getattr(patch, "name", "<stream>"), None
     try:
-        with gc_paused():
-            reader = PatchReader(stream, source)
+        reader = PatchReader(stream, source)  # its JSON parsed with the GC paused (container.py)
+        with gc_paused():  # not over the read: a stream may block, and other threads need the GC
             header = PatchHeader.from_json(reader.header, source, reader.version[0])
     except BaseException:
         if owned:
