@@ -473,10 +473,10 @@ def _tensor_checked(obj: object, scheme: DigestScheme) -> TensorRecord | None:
 # -- format 2.0's tensor table (FORMAT.md §2.1) ----------------------------------------------
 #
 # One JSON array per field, a row per tensor, instead of one object per tensor: an MoE checkpoint's
-# 18k expert entries were 10 MB of objects, whose parse and per-entry checks cost ~0.5 s of every
-# apply. As columns the JSON is 4.5 MB, parses in a third of the time, and each column is checked
+# 18k expert entries were 10 MB of objects (0.21 s of JSON parse on every read, 0.65 s of CPU to
+# open the header). As columns the JSON is 4.5 MB and parses in 0.06 s, and each column is checked
 # whole by a few C-level passes (types by set(map(type, ...)), hex digits by one regex over the
-# column joined).
+# column joined): the header opens in 0.34 s.
 
 _NONE = type(None)
 # Params keys a table may hold (FORMAT.md §9): the codecs use at most 8. Each key is a column of a
