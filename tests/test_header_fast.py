@@ -170,3 +170,32 @@ def test_layout_headers_as_safetensors_writes_them_are_matched_as_bytes(path):
                     kept += 1
                     assert _parsed_agrees(edited, records), edited[:200]
         assert kept  # some edits keep it right (the metadata variants, a flip inside the padding)
+
+
+def _build_header_reference(metadata, tensors) -> bytes:
+    """build_header as one json.dumps of the whole object (the spelling it must keep)."""
+    obj = {} if metadata is None else {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, dtype, shape, nbytes in tensors:
+        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return raw + b" " * ((-(8 + len(raw))) % 8)
+
+
+def test_build_header_spells_headers_as_one_json_dumps_would():
+    """build_header writes its entries itself (io/safetensors_header.canonical_entries, which the
+    layout's byte match shares): byte for byte one json.dumps of the object, on random names."""
+    from pulsediff.io.safetensors_header import build_header
+
+    rng = random.Random(17)
+    alphabet = ["a", "Z", "0", ".", "_", '"', "\\", "/", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "€", "\u2028",
+                "😀", " ", "{", "}", ",", ":"]
+    for case in range(300):
+        names = {"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12))) for _ in range(rng.randrange(0, 8))}
+        if case % 7 == 0:
+            names.add("__metadata__")
+        tensors = [(n, rng.choice(["BF16", "F32", "U8"]), tuple(rng.randrange(0, 5) for _ in range(rng.randrange(0, 4))),
+                    rng.randrange(0, 100)) for n in names]
+        metadata = rng.choice([None, {}, {"format": "pt"}, {rng.choice(alphabet): rng.choice(alphabet), "k": "v"}])
+        assert build_header(metadata, tensors) == _build_header_reference(metadata, tensors), (metadata, tensors)

@@ -150,7 +150,7 @@ class StateDict(Checkpoint):
 
 class _BuiltHeader(ParsedHeader):
     """The header save_file would write for these entries, its bytes built when first asked for
-    (make writes them into a patch's layout; an apply never reads them: 0.15 s at 18k tensors)."""
+    (make writes them into a patch's layout; an apply never reads them: 0.05 s at 18k tensors)."""
 
     def __init__(self, metadata: dict[str, str] | None, tensors: tuple):
         object.__setattr__(self, "metadata", metadata)
