@@ -23,7 +23,7 @@ from pulsediff.io import strict_json
 
 from ckpt_factory import mutate, random_tensor, save
 from fuzz_cases import entries_table, table_entries
-from test_header_fast import HOSTILE, _edits
+from test_header_fast import _edits
 
 GOLDEN = sorted(Path("tests/golden").glob("*/*.pulsediff"))
 

@@ -661,13 +661,13 @@ class _TableReader:
             # Each row's index bytes, the sum of its index keys' values, within its section's length.
             if any(None in size for size in sizes) or any(map(operator.gt, map(sum, zip(*sizes)), limits)):
                 raise self.fail("section.params: the codec's index size is invalid")
-        keys = list(params)
-        if any(None in values for values in columns):
-            rows = [{key: v for key, v in zip(keys, row) if v is not None} for row in zip(*columns)]
+        keys = list(by_key)
+        if any(None in values for values in columns):  # each section's params: its non-null cells
+            each = [{key: v for key, v in zip(keys, row) if v is not None} for row in zip(*columns)]
         else:
-            rows = [dict(zip(keys, row)) for row in zip(*columns)] if columns else [{} for _ in range(m)]
+            each = [dict(zip(keys, row)) for row in zip(*columns)] if columns else [{} for _ in range(m)]
         offsets = list(itertools.accumulate(lengths, initial=start))
         if m and offsets[m - 1] > MAX_SECTION_BYTES:  # where the last one starts: bounded as 1.x's offsets
             raise self.fail("section.length: the sections reach past the format's bound")
         return [built(SectionRef, {"offset": offsets[j], "length": lengths[j], "checksum": checksums[j],
-                                   "codec": codecs[j], "params": rows[j]}) for j in range(m)]
+                                   "codec": codecs[j], "params": each[j]}) for j in range(m)]

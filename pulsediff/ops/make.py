@@ -110,9 +110,9 @@ def make_patch(
     folder (or a name ending in '/') is refused whatever `force` (UsageError). `digest`: how
     tensors are hashed (FORMAT.md §3): "tree", the default, or "flat", which pulsediff before
     format 1.4 reads too. `format_version`: the major version to write (FORMAT.md §11): 2, the
-    default, or 1 (a 1.5 patch, which pulsediff before format 2.0 reads). `unrelated`: where to append unrelated_reason's phrase when the pair
-    looks unrelated, found from the headers this make reads anyway (an 18k-tensor checkpoint's
-    header takes a quarter of a second to read).
+    default, or 1 (a 1.5 patch, which pulsediff before format 2.0 reads). `unrelated`: where to
+    append unrelated_reason's phrase when the pair looks unrelated, found from the headers this
+    make reads anyway (an 18k-tensor checkpoint's header takes a quarter of a second to read).
     """
     from pulsediff.ops.inspect import digest_scheme
 
